@@ -1,0 +1,272 @@
+"""Settings: one frozen value, loaded and validated once.
+
+Sources, later ones winning: the TOML file (``config/kvwarm.toml`` by
+default), then ``KVWARM_<SECTION>_<KEY>`` environment variables (for example
+``KVWARM_UPSTREAM_BASE_URL``), then command-line flags. Every invalid value
+raises :class:`~proxy.errors.ConfigError` naming the dotted key and the problem.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from .errors import ConfigError
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "kvwarm.toml"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Request bodies above this are refused with 413 before reaching the upstream."""
+    shutdown_timeout: float = 30.0
+    """Seconds in-flight requests get to finish on SIGTERM / Ctrl-C."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamSettings:
+    base_url: str = "https://api.openai.com/v1"
+    api_key: str = ""
+    """When set, replaces the client's ``Authorization`` towards the upstream."""
+    connect_timeout: float = 10.0
+    first_byte_timeout: float = 600.0
+    """Seconds from sending the request to the response headers."""
+    idle_timeout: float = 300.0
+    """Longest gap between two chunks of a streamed response."""
+    total_timeout: float = 1800.0
+    max_connections: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    backend: str = "sqlite:var/kvwarm.db"
+    """``memory`` or ``sqlite:PATH`` (relative paths are relative to the working directory)."""
+    ttl_seconds: float = 24 * 3600.0
+    """A node unused for this long is evicted."""
+    max_bytes: int = 512 * 1024 * 1024
+    """Byte budget of stored transcripts; leaves are evicted first, least recently used."""
+    secret: str = ""
+    """Server secret keying tenant hashes. Empty: generated once and kept beside the store."""
+    tenant_header: str = ""
+    """Header naming the tenant. Empty: the ``Authorization`` value is the tenant."""
+    flush_interval: float = 0.5
+    """Seconds between batched writes of the sqlite store."""
+
+
+@dataclass(frozen=True, slots=True)
+class RepairSettings:
+    enabled: bool = True
+    """Off: kvwarm only observes (fingerprints, diagnoses, measures) and forwards bytes unchanged."""
+    collapse_duplicates: bool = False
+    pin_patterns: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Role -> regexes of volatile spans to pin to their first-seen value (opt-in)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSettings:
+    enabled: bool = True
+    path: str = "/metrics"
+    max_models: int = 20
+    """Distinct ``model`` label values; later models are counted as ``other``."""
+    prices_file: str = ""
+    """Price table (TOML). Empty: the shipped ``config/prices.toml``."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdminSettings:
+    token: str = ""
+    """Bearer token for /kvwarm/ from non-loopback clients. Empty: loopback only."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogSettings:
+    level: str = "INFO"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    server: ServerSettings = field(default_factory=ServerSettings)
+    upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
+    store: StoreSettings = field(default_factory=StoreSettings)
+    repair: RepairSettings = field(default_factory=RepairSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    admin: AdminSettings = field(default_factory=AdminSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> Settings:
+        """A copy with dotted keys (``"server.port"``) replaced, validated."""
+        raw = _to_raw(self)
+        for dotted, value in overrides.items():
+            section, _, key = dotted.partition(".")
+            raw.setdefault(section, {})[key] = value
+        return _build(raw)
+
+
+_SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Settings)}  # type: ignore[misc]
+_LEVELS = {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def load_settings(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Read TOML, then environment, then ``overrides`` (dotted keys from flags)."""
+    raw: dict[str, dict[str, Any]] = {}
+    file = Path(path) if path is not None else DEFAULT_CONFIG
+    if path is not None or file.exists():
+        try:
+            text = file.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read {file}: {exc.strerror}") from exc
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", f"{file} is not valid TOML: {exc}") from exc
+        for section, values in data.items():
+            if section not in _SECTIONS:
+                raise ConfigError(section, f"unknown section (known: {', '.join(_SECTIONS)})")
+            if not isinstance(values, dict):
+                raise ConfigError(section, "must be a table")
+            raw[section] = dict(values)
+    for name, value in (os.environ if env is None else env).items():
+        if not name.startswith("KVWARM_"):
+            continue
+        dotted = _env_key(name)
+        if dotted is None:
+            continue
+        section, _, key = dotted.partition(".")
+        raw.setdefault(section, {})[key] = value
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, key = dotted.partition(".")
+        raw.setdefault(section, {})[key] = value
+    return _build(raw)
+
+
+def _env_key(name: str) -> str | None:
+    rest = name[len("KVWARM_") :].lower()
+    for section in _SECTIONS:
+        if rest.startswith(section + "_"):
+            return f"{section}.{rest[len(section) + 1 :]}"
+    return None
+
+
+def _to_raw(settings: Settings) -> dict[str, dict[str, Any]]:
+    return {
+        f.name: {g.name: getattr(getattr(settings, f.name), g.name) for g in fields(_SECTIONS[f.name])}
+        for f in fields(Settings)
+    }
+
+
+def _build(raw: Mapping[str, Mapping[str, Any]]) -> Settings:
+    sections: dict[str, Any] = {}
+    for section, cls in _SECTIONS.items():
+        values = dict(raw.get(section, {}))
+        known = {f.name: f for f in fields(cls)}
+        default = cls()
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            if key not in known:
+                raise ConfigError(dotted, f"unknown key (known: {', '.join(known)})")
+            kwargs[key] = _coerce(dotted, value, getattr(default, key))
+        sections[section] = replace(default, **kwargs)
+    settings = Settings(**sections)
+    _validate(settings)
+    return settings
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Convert ``value`` to the type of ``default``; strings come from the environment."""
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+            return value.lower() in {"1", "true", "yes", "on"}
+        raise ConfigError(key, f"expected true or false, got {value!r}")
+    if isinstance(default, int):
+        try:
+            if isinstance(value, bool) or isinstance(value, float):
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(key, f"expected a whole number, got {value!r}") from None
+    if isinstance(default, float):
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(key, f"expected a number of seconds, got {value!r}") from None
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {value!r}")
+        return value
+    if isinstance(default, Mapping):
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ConfigError(key, "expected a table (JSON in the environment)") from None
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"expected a table of role = [regex, ...], got {value!r}")
+        out: dict[str, tuple[str, ...]] = {}
+        for role, patterns in value.items():
+            if role not in _ROLES:
+                raise ConfigError(f"{key}.{role}", f"unknown role (known: {', '.join(sorted(_ROLES))})")
+            if isinstance(patterns, str):
+                patterns = [patterns]
+            if not isinstance(patterns, list | tuple) or not all(isinstance(p, str) for p in patterns):
+                raise ConfigError(f"{key}.{role}", "expected a list of regular expressions")
+            for pattern in patterns:
+                try:
+                    re.compile(pattern)
+                except re.error as exc:
+                    raise ConfigError(f"{key}.{role}", f"invalid regex {pattern!r}: {exc}") from None
+            out[role] = tuple(patterns)
+        return out
+    return value
+
+
+def _validate(s: Settings) -> None:
+    if not 0 <= s.server.port <= 65535:
+        raise ConfigError("server.port", f"must be 0-65535, got {s.server.port}")
+    if s.server.max_body_bytes <= 0:
+        raise ConfigError("server.max_body_bytes", "must be positive")
+    url = urlsplit(s.upstream.base_url)
+    if url.scheme not in {"http", "https"} or not url.netloc:
+        raise ConfigError("upstream.base_url", f"must be an http(s) URL, got {s.upstream.base_url!r}")
+    for name in ("connect_timeout", "first_byte_timeout", "idle_timeout", "total_timeout"):
+        if getattr(s.upstream, name) <= 0:
+            raise ConfigError(f"upstream.{name}", "must be a positive number of seconds")
+    if s.upstream.max_connections <= 0:
+        raise ConfigError("upstream.max_connections", "must be positive")
+    backend = s.store.backend
+    if backend != "memory" and not (backend.startswith("sqlite:") and len(backend) > len("sqlite:")):
+        raise ConfigError("store.backend", f"expected 'memory' or 'sqlite:PATH', got {backend!r}")
+    if s.store.ttl_seconds <= 0:
+        raise ConfigError("store.ttl_seconds", "must be positive")
+    if s.store.max_bytes <= 0:
+        raise ConfigError("store.max_bytes", "must be positive")
+    if s.store.flush_interval <= 0:
+        raise ConfigError("store.flush_interval", "must be positive")
+    if not s.metrics.path.startswith("/"):
+        raise ConfigError("metrics.path", "must start with '/'")
+    if s.metrics.max_models < 1:
+        raise ConfigError("metrics.max_models", "must be at least 1")
+    if s.log.level.upper() not in _LEVELS:
+        raise ConfigError("log.level", f"expected one of {', '.join(sorted(_LEVELS))}")

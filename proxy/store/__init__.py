@@ -1,0 +1,1 @@
+"""Transcript stores: a tree of nodes keyed by chain hash, behind one Protocol."""
