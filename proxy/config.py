@@ -30,6 +30,8 @@ class ServerSettings:
     """Request bodies above this are refused with 413 before reaching the upstream."""
     shutdown_timeout: float = 30.0
     """Seconds in-flight requests get to finish on SIGTERM / Ctrl-C."""
+    uvloop: bool = True
+    """Run on uvloop when it is installed (measured faster; see ``make bench``)."""
 
 
 @dataclass(frozen=True, slots=True)

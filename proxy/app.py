@@ -1,0 +1,171 @@
+"""The aiohttp application: routes, error conversion, and the resources each app owns.
+
+``create_app(settings)`` builds everything from one frozen :class:`~proxy.config.Settings`;
+nothing is global. Resources live under typed :class:`web.AppKey` keys and are
+opened and closed in ``cleanup_ctx``: the pooled upstream session, the
+transcript store, the token counter, and the maintenance task (eviction and
+store gauges).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from . import __version__
+from .config import Settings
+from .core.pricing import PriceTable
+from .errors import ProxyError
+from .metrics import ProxyMetrics
+from .pipeline import Pipeline
+from .store.base import TranscriptStore
+from .store.factory import make_store
+from .tokens import TokenCounter
+from .upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+SETTINGS = web.AppKey("settings", Settings)
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+METRICS = web.AppKey("metrics", ProxyMetrics)
+STORE = web.AppKey("store", TranscriptStore)
+PRICES = web.AppKey("prices", PriceTable)
+PIPELINE = web.AppKey("pipeline", Pipeline)
+READY = web.AppKey("ready", asyncio.Event)
+
+MAINTENANCE_INTERVAL = 15.0
+
+
+def error_response(status: int, message: str, error_type: str, code: str) -> web.Response:
+    """The one place an error becomes an OpenAI-shaped JSON body."""
+    body = orjson.dumps({"error": {"message": message, "type": error_type, "code": code, "param": None}})
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
+@web.middleware
+async def errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ProxyError as exc:
+        log.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc)
+        return error_response(exc.status, str(exc), exc.error_type, exc.code)
+
+
+def create_app(
+    settings: Settings,
+    *,
+    registry: CollectorRegistry | None = None,
+    store: TranscriptStore | None = None,
+    prices: PriceTable | None = None,
+) -> web.Application:
+    """Build the proxy app. Tests inject a fresh registry and, when they want, a store."""
+    app = web.Application(
+        client_max_size=settings.server.max_body_bytes,
+        middlewares=[errors_middleware],
+    )
+    registry = registry if registry is not None else CollectorRegistry()
+    app[SETTINGS] = settings
+    app[REGISTRY] = registry
+    app[METRICS] = ProxyMetrics(registry, max_models=settings.metrics.max_models)
+    app[STORE] = store if store is not None else make_store(
+        settings.store.backend,
+        ttl_seconds=settings.store.ttl_seconds,
+        max_bytes=settings.store.max_bytes,
+        secret=settings.store.secret,
+        flush_interval=settings.store.flush_interval,
+    )
+    if prices is None:
+        prices = PriceTable.load(settings.metrics.prices_file) if settings.metrics.prices_file else PriceTable.default()
+    app[PRICES] = prices
+    app[READY] = asyncio.Event()
+    app.cleanup_ctx.append(_resources)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    if settings.metrics.enabled:
+        app.router.add_get(settings.metrics.path, metrics_endpoint)
+    _add_admin(app)
+    app.router.add_route("*", "/v1/{tail:.*}", proxy_handler)
+    app.router.add_route("*", "/v1", proxy_handler)
+    return app
+
+
+def _add_admin(app: web.Application) -> None:
+    try:
+        from .admin import add_admin_routes
+    except ImportError:
+        return
+    add_admin_routes(app)
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    store = app[STORE]
+    connector = aiohttp.TCPConnector(limit=settings.upstream.max_connections, ttl_dns_cache=300)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=True, trust_env=False)
+    tokens_task = asyncio.create_task(asyncio.to_thread(TokenCounter))
+    try:
+        await store.open()
+        tokens = await tokens_task
+    except BaseException:
+        await session.close()
+        raise
+    app[PIPELINE] = Pipeline(settings, Upstream(session, settings.upstream), store, app[METRICS], app[PRICES], tokens)
+    maintenance = asyncio.create_task(_maintain(app), name="kvwarm-maintenance")
+    app[METRICS].set_store(store.stats())
+    app[READY].set()
+    log.info("kvwarm %s ready: upstream %s, store %s", __version__, settings.upstream.base_url, settings.store.backend)
+    try:
+        yield
+    finally:
+        app[READY].clear()
+        maintenance.cancel()
+        await asyncio.gather(maintenance, return_exceptions=True)
+        try:
+            await store.close()
+        finally:
+            await session.close()
+
+
+async def _maintain(app: web.Application) -> None:
+    """Evict expired and over-budget nodes, and refresh the store gauges."""
+    store, metrics = app[STORE], app[METRICS]
+    while True:
+        await asyncio.sleep(MAINTENANCE_INTERVAL)
+        try:
+            store.evict(time.time())
+            metrics.set_store(store.stats())
+        except Exception:
+            log.exception("store maintenance failed")
+            metrics.error("store")
+
+
+async def proxy_handler(request: web.Request) -> web.StreamResponse:
+    return await request.app[PIPELINE].handle(request)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok", "version": __version__})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    if not request.app[READY].is_set():
+        return web.json_response({"status": "starting"}, status=503)
+    stats = request.app[STORE].stats()
+    return web.json_response({"status": "ready", "store_nodes": stats.nodes})
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    app = request.app
+    app[METRICS].set_store(app[STORE].stats())
+    body = generate_latest(app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,190 @@
+"""The ``kvwarm`` command line: serve, upstream-sim, sessions, show, export, import.
+
+A broken configuration prints ``kvwarm: config error: <key>: <problem>`` and
+exits with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import __version__
+from .config import Settings, load_settings
+from .errors import ConfigError, KvwarmError
+
+log = logging.getLogger("proxy")
+
+EXIT_CONFIG = 2
+
+
+def _store_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML settings file (default: config/kvwarm.toml)")
+    p.add_argument(
+        "--store",
+        metavar="BACKEND",
+        help="transcript store: 'memory' or 'sqlite:PATH' (overrides store.backend)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvwarm",
+        description="A caching reverse proxy for OpenAI-compatible APIs that keeps the provider's prompt cache warm.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvwarm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the proxy", description="Run the proxy.")
+    _store_flags(serve)
+    serve.add_argument("--host", metavar="H", help="listen address (overrides server.host)")
+    serve.add_argument("--port", metavar="P", type=int, help="listen port (overrides server.port)")
+    serve.add_argument("--upstream", metavar="URL", help="upstream base URL, e.g. https://api.openai.com/v1 (overrides upstream.base_url)")
+    serve.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ... (overrides log.level)")
+    serve.set_defaults(func=cmd_serve)
+
+    sim = sub.add_parser(
+        "upstream-sim",
+        help="run the reference upstream (an OpenAI-compatible provider emulator)",
+        description="Run the reference upstream: an OpenAI-compatible provider emulator with a prefix cache.",
+    )
+    sim.add_argument("--host", metavar="H", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    sim.add_argument("--port", metavar="P", type=int, default=8090, help="listen port (default 8090)")
+    sim.add_argument("--cache", choices=("openai", "vllm"), default="openai", help="prefix-cache mode (default openai)")
+    sim.add_argument("--openhuman", action="store_true", help="add openhuman.usage / openhuman.billing blocks")
+    sim.add_argument("--ttft-per-token", metavar="S", type=float, default=0.0, help="seconds of time-to-first-token per uncached prompt token")
+    sim.add_argument("--chunk-delay", metavar="S", type=float, default=0.0, help="seconds between streamed chunks")
+    sim.set_defaults(func=cmd_sim)
+
+    sessions = sub.add_parser("sessions", help="list stored sessions", description="List stored sessions.")
+    _store_flags(sessions)
+    sessions.set_defaults(func=_admin_command("sessions"))
+
+    show = sub.add_parser("show", help="print one session's transcript", description="Print one session's transcript.")
+    _store_flags(show)
+    show.add_argument("session", metavar="SESSION", help="session id (from `kvwarm sessions`)")
+    show.add_argument("--format", choices=("md", "json"), default="md", help="output format (default md)")
+    show.set_defaults(func=_admin_command("show"))
+
+    export = sub.add_parser("export", help="write every session as a Markdown transcript", description="Export sessions to DIR.")
+    _store_flags(export)
+    export.add_argument("dir", metavar="DIR")
+    export.set_defaults(func=_admin_command("export"))
+
+    imp = sub.add_parser("import", help="seed the store from exported transcripts", description="Import transcripts from DIR.")
+    _store_flags(imp)
+    imp.add_argument("dir", metavar="DIR")
+    imp.add_argument("--tenant-key", metavar="KEY", help="assign imported sessions to the tenant of this API key")
+    imp.set_defaults(func=_admin_command("import"))
+    return parser
+
+
+def settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
+    overrides: dict[str, Any] = {"store.backend": getattr(args, "store", None)}
+    overrides.update(extra)
+    return load_settings(getattr(args, "config", None), overrides=overrides)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from .app import create_app
+
+    settings = settings_from(
+        args,
+        **{
+            "server.host": args.host,
+            "server.port": args.port,
+            "upstream.base_url": args.upstream,
+            "log.level": args.log_level,
+        },
+    )
+    configure_logging(settings.log.level)
+    app = create_app(settings)
+    web.run_app(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        shutdown_timeout=settings.server.shutdown_timeout,
+        handler_cancellation=True,
+        access_log=None,
+        loop=_new_loop(settings.server.uvloop),
+        print=lambda *_: log.info(
+            "kvwarm listening on http://%s:%d/v1 -> %s",
+            settings.server.host, settings.server.port, settings.upstream.base_url,
+        ),
+    )
+    return 0
+
+
+def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
+    if use_uvloop:
+        try:
+            import uvloop
+
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+            return loop
+        except ImportError:
+            pass
+    return asyncio.new_event_loop()
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from .sim.server import SimConfig, create_sim_app
+
+    configure_logging("INFO")
+    config = SimConfig(
+        cache_mode=args.cache,
+        openhuman=args.openhuman,
+        ttft_per_uncached_token=args.ttft_per_token,
+        chunk_delay=args.chunk_delay,
+    )
+    web.run_app(
+        create_sim_app(config),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        handler_cancellation=True,
+        print=lambda *_: log.info("reference upstream (%s cache) on http://%s:%d/v1", args.cache, args.host, args.port),
+    )
+    return 0
+
+
+def _admin_command(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        from . import inspect_cli
+
+        settings = settings_from(args)
+        configure_logging("WARNING")
+        return inspect_cli.run(name, args, settings)
+
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result: int = args.func(args)
+        return result
+    except ConfigError as exc:
+        print(f"kvwarm: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KvwarmError as exc:
+        print(f"kvwarm: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,349 @@
+"""Prefix-break diagnosis: why a request left the stored tree.
+
+The request left the tree at element ``k = match.matched``. Element ``k`` is compared
+with the stored children of element ``k - 1`` and the break is classified, first
+match wins:
+
+===================  ===============================================================
+``new_branch``       node ``k-1`` has no stored child (or the tenant has nothing
+                     stored): a genuinely new turn, not a break; also when no stored
+                     child has the role of element ``k`` (the client went on without it)
+``tools_changed``    ``k == 0``: the tool set or a definition changed
+``duplicate_replay`` element ``k`` repeats element ``k-1``
+``reasoning_changed`` the same message but its reasoning added, dropped or changed
+``message_removed``  element ``k`` is a stored grandchild (the request skipped one)
+``message_inserted`` element ``k+1`` is a stored child (the request added one)
+``truncated_head``   element ``k`` (and the next) continue a stored chain deeper down
+``system_changed``   a system / developer message whose text changed
+``assistant_modified`` the stored child is a generated reply and the client sent another
+``content_changed``  a stored child with the same role differs
+===================  ===============================================================
+
+For ``content_changed``, ``system_changed`` and ``tools_changed`` the first differing
+span is located (common prefix / suffix, widened to the whole token around it) and
+reported by *shape* only -- digits as ``d``, letters as ``a`` -- with a suggested
+``pin_patterns`` regex. The client's text itself is never returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..store.base import Node, NodeReader
+from .identity import REASONING_KEYS, canonical_tool_definition, is_text_part, message_identity
+from .match import Match, chain
+from .policy import Policy
+
+__all__ = ["REASONS", "Break", "Span", "diagnose", "span_of"]
+
+REASONS = (
+    "content_changed",
+    "message_inserted",
+    "message_removed",
+    "truncated_head",
+    "duplicate_replay",
+    "reasoning_changed",
+    "assistant_modified",
+    "tools_changed",
+    "system_changed",
+    "new_branch",
+)
+"""Every :attr:`Break.reason` (a bounded metrics label)."""
+
+_MAX_CANDIDATES = 32
+"""Stored children compared at most (a hot system prompt may have thousands)."""
+_MAX_SHAPE = 64
+"""Longest span given a shape and a hint; longer spans are cut (shape ends with an ellipsis, no hint)."""
+_TOKEN_PUNCT = frozenset("-_:./+@~")
+"""Characters that belong to a volatile token (timestamps, ids, paths) when widening a span."""
+_REGEX_SPECIAL = frozenset(".^$*+?{}[]\\|()")
+_SYSTEM_ROLES = frozenset(("system", "developer"))
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    depth: int
+    """Element depth of the changed text."""
+    offset: int
+    """Start of the changed region, in characters of the client's text."""
+    length: int
+    """Length of the changed region in the client's text (0: the client's text lost something here)."""
+    shape: str
+    """The changed region with digits -> ``d``, letters -> ``a``; other characters, and a lone
+    upper-case letter next to a digit (the ``T`` / ``Z`` of a timestamp), kept. Never the text itself."""
+    hint: str
+    """A ``pin_patterns`` regex matching that shape (empty when the span is too long to pin)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    reason: str
+    """One of :data:`REASONS`."""
+    depth: int
+    """The first unmatched element (0 = tools)."""
+    span: Span | None
+    """The changed region, for content / system / tools changes."""
+
+
+# -- spans -----------------------------------------------------------------------------------
+
+
+def _common_prefix(a: str, b: str) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # binary search on slice equality: memcmp speed on long texts
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    lo, hi = 0, limit
+    la, lb = len(a), len(b)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[la - mid :] == b[lb - mid :]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _token_char(c: str) -> bool:
+    return c.isalnum() or c in _TOKEN_PUNCT
+
+
+def _shape(text: str) -> str:
+    out = []
+    n = len(text)
+    for i, c in enumerate(text):
+        if c.isdigit():
+            out.append("d")
+        elif c.isalpha():
+            before = text[i - 1] if i else ""
+            after = text[i + 1] if i + 1 < n else ""
+            lone = not before.isalpha() and not after.isalpha()
+            marker = "A" <= c <= "Z" and lone and (before.isdigit() or after.isdigit())
+            out.append(c if marker else "a")
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def _hint(text: str, shape: str) -> str:
+    """A regex for ``shape``: runs of digits / letters / mixed alphanumerics, whitespace, literals."""
+    parts: list[str] = []
+    i, n = 0, len(shape)
+    while i < n:
+        c = shape[i]
+        if c in "da":
+            j = i
+            while j < n and shape[j] in "da":
+                j += 1
+            run = shape[i:j]
+            letters = text[i:j]
+            if "a" not in run:
+                cls = r"\d"
+            elif "d" not in run:
+                cls = "[A-Za-z]" if letters.isascii() else r"[^\W\d_]"
+            else:
+                cls = "[0-9A-Za-z]" if letters.isascii() else r"\w"
+            parts.append(f"{cls}{{{j - i}}}" if j - i > 1 else cls)
+            i = j
+        elif c.isspace():
+            j = i
+            while j < n and shape[j].isspace():
+                j += 1
+            parts.append(r"\s+")
+            i = j
+        else:
+            parts.append("\\" + c if c in _REGEX_SPECIAL else c)
+            i += 1
+    return "".join(parts)
+
+
+def span_of(client: str, stored: str, depth: int) -> Span | None:
+    """The first differing region of ``client`` against ``stored``, widened to its whole token."""
+    if client == stored:
+        return None
+    p = _common_prefix(client, stored)
+    s = _common_suffix(client, stored, min(len(client), len(stored)) - p)
+    start, end = p, len(client) - s
+    # Widen to the token around the change: "10:0[5:13]Z" is a timestamp, not "5:13".
+    while start > 0 and _token_char(client[start - 1]):
+        start -= 1
+    while end < len(client) and _token_char(client[end]):
+        end += 1
+    # ... but not over sentence punctuation that merely follows it.
+    while end > max(start, len(client) - s) and client[end - 1] in ".:":
+        end -= 1
+    region = client[start:end]
+    if len(region) > _MAX_SHAPE:
+        return Span(depth, start, end - start, _shape(region[:_MAX_SHAPE]) + "…", "")
+    shape = _shape(region)
+    return Span(depth, start, end - start, shape, _hint(region, shape) if region else "")
+
+
+# -- texts to compare ------------------------------------------------------------------------
+
+
+def _text(msg: Any) -> str | None:
+    if type(msg) is not dict:
+        return None
+    content = msg.get("content")
+    if type(content) is str:
+        return content
+    if type(content) is list:
+        return "\n".join(p["text"] for p in content if is_text_part(p))
+    return None
+
+
+def _json_text(element: Any) -> str:
+    try:
+        return orjson.dumps(element, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:
+        return repr(element)
+
+
+def _diff_texts(client: Any, stored: Any) -> tuple[str, str]:
+    """The texts to diff: the content texts when they differ, else the sorted-keys JSON of the messages."""
+    a, b = _text(client), _text(stored)
+    if a is not None and b is not None and a != b:
+        return a, b
+    return _json_text(client), _json_text(stored)
+
+
+def _tools_text(tools: Any) -> str:
+    if type(tools) is not list:
+        return _json_text(tools)
+
+    def name(d: Any) -> str:
+        if type(d) is dict:
+            f = d.get("function")
+            n = f.get("name") if type(f) is dict else d.get("name")
+            if isinstance(n, str):
+                return n
+        return ""
+
+    defs = sorted(tools, key=lambda d: (name(d), canonical_tool_definition(d)))
+    return "[" + ",".join(canonical_tool_definition(d).decode() for d in defs) + "]"
+
+
+def _similarity(a: str, b: str) -> int:
+    p = _common_prefix(a, b)
+    return p + _common_suffix(a, b, min(len(a), len(b)) - p)
+
+
+def _load(node: Node) -> Any:
+    try:
+        return orjson.loads(node.body)
+    except orjson.JSONDecodeError:
+        return None
+
+
+# -- diagnosis -------------------------------------------------------------------------------
+
+
+def _role_kind(role: Any) -> Any:
+    """Roles compared as one: a developer message folded into a system one is a system change."""
+    return "system" if role in _SYSTEM_ROLES else role
+
+
+def _without_reasoning(msg: Any) -> Any:
+    if type(msg) is dict:
+        return {k: v for k, v in msg.items() if k not in REASONING_KEYS}
+    return msg
+
+
+def _forwarded_message(body: Mapping[str, Any], match: Match, depth: int) -> Any:
+    messages = body.get("messages")
+    if type(messages) is not list or not 1 <= depth <= len(match.order):
+        return None
+    return messages[match.order[depth - 1]]
+
+
+def _closest(client: Any, candidates: Sequence[tuple[Node, Any]]) -> Any:
+    best, best_score = None, -1
+    for _node, stored in candidates:
+        a, b = _diff_texts(client, stored)
+        score = _similarity(a, b)
+        if score > best_score:
+            best, best_score = stored, score
+    return best
+
+
+def _continues_deeper(store: NodeReader, match: Match, k: int, nodes: Sequence[Node]) -> bool:
+    """Element k sits deeper in a stored chain, and element k+1 (if any) follows it there."""
+    nxt = match.identities[k + 1] if k + 1 < len(match.identities) else None
+    for node in nodes:
+        if node.depth <= k:
+            continue
+        if nxt is None or store.get(chain(node.key, nxt)) is not None:
+            return True
+    return False
+
+
+def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break | None:
+    """Why the request left the stored tree; None when all of it is stored."""
+    k = match.matched
+    if k >= len(match.keys):
+        return None
+    parent = match.keys[k - 1] if k else match.root
+    children = list(store.children(parent))[:_MAX_CANDIDATES]
+    if not children:
+        return Break("new_branch", k, None)
+    if k == 0:
+        stored_tools = [_load(c) for c in children]
+        client = _tools_text(body.get("tools") or [])
+        texts = [_tools_text(t if t is not None else []) for t in stored_tools]
+        best = max(texts, key=lambda t: _similarity(client, t))
+        return Break("tools_changed", 0, span_of(client, best, 0))
+
+    policy: Policy = match.policy
+    msg = _forwarded_message(body, match, k)
+    ident = match.identities[k]
+    role = msg.get("role") if type(msg) is dict else None
+
+    if k >= 2 and ident == match.identities[k - 1]:
+        return Break("duplicate_replay", k, None)
+
+    loaded = [(c, _load(c)) for c in children]
+    kind = _role_kind(role)
+    same_role = [(c, m) for c, m in loaded if _role_kind(c.role) == kind]
+
+    bare = message_identity(_without_reasoning(msg), policy)
+    for _c, stored in same_role:
+        if message_identity(_without_reasoning(stored), policy) == bare:
+            return Break("reasoning_changed", k, None)
+
+    for c in children:
+        if store.get(chain(c.key, ident)) is not None:
+            return Break("message_removed", k, None)
+
+    if (
+        k + 1 < len(match.identities)
+        and store.get(chain(parent, match.identities[k + 1])) is not None
+    ):
+        return Break("message_inserted", k, None)
+
+    if _continues_deeper(store, match, k, store.by_identity(match.root, ident)):
+        return Break("truncated_head", k, None)
+
+    if not same_role:
+        return Break("new_branch", k, None)
+
+    if kind == "system":
+        a, b = _diff_texts(msg, _closest(msg, same_role))
+        return Break("system_changed", k, span_of(a, b, k))
+
+    if role == "assistant" and any(c.generated for c, _m in same_role):
+        return Break("assistant_modified", k, None)
+
+    a, b = _diff_texts(msg, _closest(msg, same_role))
+    return Break("content_changed", k, span_of(a, b, k))

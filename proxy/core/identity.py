@@ -1,0 +1,320 @@
+"""Identity: a 16-byte hash of what an element *means*, blind to exactly the safe drifts.
+
+An element is a message, or the ``tools`` array (element 0 of every request). Two
+elements have the same identity when restoring the stored one's bytes would change
+nothing the model is meant to see (DESIGN.md, "Identity"):
+
+* key order in any object (the hash input is serialized with sorted keys);
+* ``null`` / ``[]`` / ``""`` versus an absent field, at any level of a message; the
+  transport key ``index`` of ``tool_calls[i]``; the non-token key ``cache_control``;
+* ``content`` as a string versus a list of exactly one text part (whose only other key
+  may be ``cache_control``); leading/trailing whitespace of each content text;
+* tool-call ``arguments`` that parse to equal JSON, number tokens kept as their source
+  text (``1`` != ``1.0``), duplicate keys or anything unparseable compared raw;
+* the order of ``tool_calls`` in one message; the order of the tool definitions, and
+  key order inside them.
+
+Everything else is meaning: other text changes, ids, names, numbers, reasoning fields,
+signatures, and every unknown non-empty key (it is hashed, canonicalized). Pinned spans
+(opt-in, :class:`~proxy.core.policy.Policy`) are masked before hashing.
+
+The no-drift path is what most requests take, so it is cheap: a message with only
+non-empty scalar fields and edge-trimmed string content needs no normalization and is
+hashed straight from ``orjson.dumps(msg, OPT_SORT_KEYS)`` -- exactly the bytes the
+normalizing path would produce for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from .policy import PIN_MASK, Policy
+
+__all__ = [
+    "REASONING_KEYS",
+    "canonical_arguments",
+    "canonical_tool_call",
+    "identify_message",
+    "message_identity",
+    "tools_identity",
+]
+
+_SORT = orjson.OPT_SORT_KEYS
+_MSG_PERSON = b"kvwarm.msg"
+_TOOLS_PERSON = b"kvwarm.tools"
+
+RAW_ARGUMENTS = b"\x00"
+"""Prefix of :func:`canonical_arguments` for arguments compared as raw text (JSON never starts with NUL)."""
+_RAW_ARGS_KEY = "arguments\x00raw"
+"""Where unparseable arguments go in the hash input, so a raw ``abc`` never equals a JSON ``"abc"``."""
+
+_ONE_PART_KEYS = frozenset(("type", "text", "cache_control"))
+
+REASONING_KEYS = frozenset(
+    (
+        "reasoning_content",
+        "reasoning",
+        "reasoning_details",
+        "reasoning_text",
+        "reasoning_signature",
+        "thinking",
+        "thinking_blocks",
+        "thought_signature",
+        "encrypted_content",
+    )
+)
+"""Message fields that carry reasoning or its opaque signatures: meaning, never restored or added."""
+
+
+def _digest(data: bytes, person: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16, person=person).digest()
+
+
+def _dump_any(value: Any) -> bytes:
+    """Sorted-keys JSON of anything; odd values (non-JSON types, huge ints) fall back to repr."""
+    try:
+        return orjson.dumps(value, option=_SORT)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        return b"\x00repr:" + repr(value).encode("utf-8", "surrogatepass")
+
+
+def _empty(value: Any) -> bool:
+    t = type(value)
+    return value is None or ((t is str or t is list) and not value)
+
+
+# -- tool-call arguments ---------------------------------------------------------------------
+
+
+def _pairs_no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate key")
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def canonical_arguments(arguments: str) -> bytes:
+    """The comparison key of a tool-call ``arguments`` string.
+
+    Arguments that parse as JSON give their canonical serialization: sorted keys, compact,
+    strings as orjson writes them, every number token kept as its source text (so ``1``,
+    ``1.0`` and ``1e0`` differ, big integers stay exact). Duplicate keys, NaN/Infinity or
+    anything unparseable give ``RAW_ARGUMENTS + the raw UTF-8``: compared exactly.
+    """
+    try:
+        raw = arguments.encode()
+    except UnicodeEncodeError:
+        return RAW_ARGUMENTS + arguments.encode("utf-8", "surrogatepass")
+    try:
+        # orjson loses number text and duplicate keys, so trust it only when it reproduces the
+        # input byte for byte: then every number was written as orjson writes it and no key repeated.
+        value = orjson.loads(raw)
+        if orjson.dumps(value) == raw:
+            return orjson.dumps(value, option=_SORT)
+    except (orjson.JSONDecodeError, TypeError):  # invalid, or nested deeper than orjson writes
+        pass
+    try:
+        value = json.loads(
+            arguments,
+            object_pairs_hook=_pairs_no_duplicates,
+            parse_float=orjson.Fragment,
+            parse_int=orjson.Fragment,
+            parse_constant=_reject_constant,
+        )
+        return orjson.dumps(value, option=_SORT)
+    except (ValueError, TypeError, RecursionError):
+        return RAW_ARGUMENTS + raw
+
+
+# -- canonical forms ---------------------------------------------------------------------------
+
+
+def _canon_value(value: Any) -> Any:
+    """Generic canonical form: no ``cache_control``, no empty fields, at any depth."""
+    t = type(value)
+    if t is dict:
+        out = {}
+        for k, x in value.items():
+            if k == "cache_control":
+                continue
+            x = _canon_value(x)
+            if not _empty(x):
+                out[k] = x
+        return out
+    if t is list:
+        return [_canon_value(x) for x in value]
+    return value
+
+
+def _canon_text(text: str, pins: tuple[re.Pattern[str], ...]) -> str:
+    text = text.strip()
+    for rx in pins:
+        text = rx.sub(PIN_MASK, text)
+    return text
+
+
+def single_text(content: Any) -> str | None:
+    """The text of ``content`` when it is a string or a list of exactly one plain text part."""
+    if type(content) is str:
+        return content
+    if type(content) is list and len(content) == 1:
+        part = content[0]
+        if type(part) is dict and part.get("type") == "text":
+            text = part.get("text")
+            if type(text) is str and _ONE_PART_KEYS.issuperset(part):
+                return text
+    return None
+
+
+def is_text_part(part: Any) -> bool:
+    return type(part) is dict and part.get("type") == "text" and type(part.get("text")) is str
+
+
+def _canon_part(part: Any, pins: tuple[re.Pattern[str], ...]) -> Any:
+    if not is_text_part(part):
+        return _canon_value(part)
+    out = {}
+    for k, x in part.items():
+        if k == "cache_control":
+            continue
+        x = _canon_text(x, pins) if k == "text" else _canon_value(x)
+        if not _empty(x):
+            out[k] = x
+    return out
+
+
+def _canon_content(content: Any, pins: tuple[re.Pattern[str], ...]) -> Any:
+    text = single_text(content)
+    if text is not None:
+        return _canon_text(text, pins)
+    if type(content) is list:
+        return [_canon_part(p, pins) for p in content]
+    return _canon_value(content)
+
+
+def _canon_function(function: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, x in function.items():
+        if k == "cache_control" or _empty(x):
+            continue
+        if k == "arguments" and type(x) is str:
+            key = canonical_arguments(x)
+            if key[:1] == RAW_ARGUMENTS:
+                out[_RAW_ARGS_KEY] = x
+            else:
+                out[k] = orjson.Fragment(key)
+            continue
+        x = _canon_value(x)
+        if not _empty(x):
+            out[k] = x
+    return out
+
+
+def _canon_call(call: Any) -> Any:
+    if type(call) is not dict:
+        return _canon_value(call)
+    out = {}
+    for k, x in call.items():
+        if k == "index" or k == "cache_control":
+            continue
+        x = _canon_function(x) if k == "function" and type(x) is dict else _canon_value(x)
+        if not _empty(x):
+            out[k] = x
+    return out
+
+
+def canonical_tool_call(call: Any) -> bytes:
+    """Comparison key of one ``tool_calls[i]``: ids and names kept, ``index`` dropped, arguments canonical."""
+    return _dump_any(_canon_call(call))
+
+
+def _canon_tool_calls(calls: Any) -> Any:
+    if type(calls) is not list:
+        return _canon_value(calls)
+    keys = sorted(canonical_tool_call(c) for c in calls)
+    return [orjson.Fragment(k) for k in keys]
+
+
+def canonical_message(msg: Mapping[str, Any], policy: Policy | None = None) -> dict[str, Any]:
+    """The normalized message whose sorted-keys JSON is hashed (tool calls embedded as JSON fragments)."""
+    pins = policy.pins(msg.get("role")) if policy is not None else ()
+    out: dict[str, Any] = {}
+    for k, v in msg.items():
+        if k == "cache_control":
+            continue
+        if k == "content":
+            v = _canon_content(v, pins)
+        elif k == "tool_calls":
+            v = _canon_tool_calls(v)
+        elif type(v) is dict or type(v) is list:
+            v = _canon_value(v)
+        if not _empty(v):
+            out[k] = v
+    return out
+
+
+def _is_clean(msg: dict[str, Any]) -> bool:
+    """True when normalization would return ``msg`` unchanged: only non-empty scalars, trimmed content."""
+    if "cache_control" in msg:
+        return False
+    for k, v in msg.items():
+        t = type(v)
+        if t is str:
+            if not v or (k == "content" and (v[0].isspace() or v[-1].isspace())):
+                return False
+        elif t is not int and t is not float and t is not bool:
+            return False
+    return True
+
+
+# -- identities ------------------------------------------------------------------------------
+
+
+def identify_message(msg: Any, policy: Policy | None = None) -> tuple[bytes, int]:
+    """``(identity, clean_size)``: ``clean_size`` is ``len(orjson.dumps(msg))`` when the message
+    needed no normalization (its bytes are its canonical form up to key order), else -1."""
+    if type(msg) is not dict:
+        return _digest(_dump_any(msg), _MSG_PERSON), -1
+    if _is_clean(msg) and not (policy is not None and policy.pins(msg.get("role"))):
+        try:
+            data = orjson.dumps(msg, option=_SORT)
+        except TypeError:
+            return _digest(_dump_any(msg), _MSG_PERSON), -1
+        return _digest(data, _MSG_PERSON), len(data)
+    return _digest(_dump_any(canonical_message(msg, policy)), _MSG_PERSON), -1
+
+
+def message_identity(msg: Any, policy: Policy | None = None) -> bytes:
+    """The 16-byte identity of one message; never raises (a non-dict hashes its JSON)."""
+    return identify_message(msg, policy)[0]
+
+
+def _strip_cache_control(definition: Any) -> Any:
+    if type(definition) is dict and "cache_control" in definition:
+        return {k: v for k, v in definition.items() if k != "cache_control"}
+    return definition
+
+
+def canonical_tool_definition(definition: Any) -> bytes:
+    """Comparison key of one tool definition: sorted keys, definition-level ``cache_control`` dropped."""
+    return _dump_any(_strip_cache_control(definition))
+
+
+def tools_identity(tools: Any) -> bytes:
+    """The identity of the ``tools`` array: blind to definition order and key order; None, [] and absent are equal."""
+    if tools is None:
+        tools = []
+    if type(tools) is not list:
+        return _digest(_dump_any(tools), _TOOLS_PERSON)
+    defs = sorted(canonical_tool_definition(d) for d in tools)
+    return _digest(b"[" + b",".join(defs) + b"]", _TOOLS_PERSON)

@@ -1,0 +1,291 @@
+"""Chain hashes and matching a request against the transcript tree.
+
+Element 0 of a request is its ``tools`` array, elements 1.. its messages. Each element's
+key is ``chain(parent_key, identity)``, rooted in the tenant (:func:`tenant_root`), so a
+key names the whole prefix that ends with the element. The matched prefix is the longest
+run of leading keys the store holds.
+
+Two things may change the order in which messages are forwarded (only when the policy
+allows rewriting):
+
+* a tool-result group (the contiguous ``tool`` messages after an assistant message with
+  tool calls) sent in another order than stored is matched, and forwarded, in the stored
+  order -- as a whole group or not at all;
+* with ``collapse_duplicates``, an exact replay of the previous message is dropped.
+
+:attr:`Match.order` records both: forwarded position -> request message index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ..store.base import ROLE_TOOLS, Node, NodeReader
+from .identity import identify_message, message_identity, tools_identity
+from .policy import Policy
+
+__all__ = ["Match", "chain", "match_request", "new_nodes", "tenant_root", "tool_groups"]
+
+_PERMUTATION_BUDGET = 256
+"""Most store lookups spent looking for the stored order of one tool-result group."""
+
+
+def tenant_root(secret: bytes, credential: str) -> bytes:
+    """``c_{-1}`` of a tenant: HMAC-SHA256(secret, credential), 16 bytes. ``""`` is the anonymous tenant."""
+    mac = hmac.new(secret, credential.encode("utf-8", "surrogatepass"), hashlib.sha256)
+    return mac.digest()[:16]
+
+
+def chain(parent: bytes, identity: bytes) -> bytes:
+    """``c_i = H(c_{i-1} || id_i)``."""
+    return hashlib.blake2b(parent + identity, digest_size=16).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Where a request stands in the tree. Every per-element tuple is in *forwarded* order."""
+
+    root: bytes
+    """The tenant root."""
+    identities: tuple[bytes, ...]
+    """Identity per forwarded element (0 = tools)."""
+    keys: tuple[bytes, ...]
+    """Chain hash per forwarded element."""
+    order: tuple[int, ...]
+    """Forwarded message position -> request message index (identity permutation when nothing moved)."""
+    matched: int
+    """Elements ``0 .. matched-1`` are stored."""
+    nodes: tuple[Node, ...]
+    """The stored nodes of the matched prefix (``len == matched``)."""
+    policy: Policy = field(default_factory=Policy)
+    """The policy the identities were computed with (new nodes and diagnosis must use the same)."""
+    clean_sizes: tuple[int, ...] = ()
+    """Per forwarded element: ``len(orjson.dumps(element))`` when it needed no normalization, else -1.
+    Lets repair prove "unchanged" without serializing the element again."""
+
+    @property
+    def complete(self) -> bool:
+        """The whole request is stored."""
+        return self.matched == len(self.keys)
+
+
+def tool_groups(messages: Sequence[Any]) -> dict[int, int]:
+    """Tool-result groups: start index -> end index (exclusive) of each run of ``tool`` messages
+    that follows an assistant message with tool calls."""
+    groups: dict[int, int] = {}
+    n = len(messages)
+    i = 0
+    while i < n:
+        msg = messages[i]
+        i += 1
+        if type(msg) is dict and msg.get("role") == "assistant" and msg.get("tool_calls"):
+            j = i
+            while j < n and type(messages[j]) is dict and messages[j].get("role") == "tool":
+                j += 1
+            if j > i:
+                groups[i] = j
+                i = j
+    return groups
+
+
+def _collapsible(msg: Any) -> bool:
+    if type(msg) is not dict:
+        return False
+    role = msg.get("role")
+    return role != "tool" and not (role == "assistant" and msg.get("tool_calls"))
+
+
+def _stored_order(
+    parent: bytes, members: list[int], ids: list[bytes], store: NodeReader
+) -> list[tuple[int, bytes, Node]] | None:
+    """The stored order of a whole tool-result group under ``parent``, preferring the request's
+    order at each step (depth-first, bounded); None when no stored path holds the whole group."""
+    path: list[tuple[int, bytes, Node]] = []
+    budget = _PERMUTATION_BUDGET
+
+    def walk(parent: bytes, remaining: list[int]) -> bool:
+        nonlocal budget
+        if not remaining:
+            return True
+        tried: set[bytes] = set()
+        for pos, r in enumerate(remaining):
+            if ids[r] in tried:
+                continue
+            tried.add(ids[r])
+            if budget <= 0:
+                return False
+            budget -= 1
+            key = chain(parent, ids[r])
+            node = store.get(key)
+            if node is None:
+                continue
+            path.append((r, key, node))
+            if walk(key, remaining[:pos] + remaining[pos + 1 :]):
+                return True
+            path.pop()
+        return False
+
+    return path if walk(parent, members) else None
+
+
+def match_request(body: Mapping[str, Any], root: bytes, store: NodeReader, policy: Policy) -> Match:
+    """Identify every element, chain the keys and find the longest stored prefix."""
+    raw_messages = body.get("messages")
+    messages: list[Any] = raw_messages if type(raw_messages) is list else []
+    n = len(messages)
+
+    msg_ids: list[bytes] = []
+    sizes: list[int] = []
+    for msg in messages:
+        identity, size = identify_message(msg, policy)
+        msg_ids.append(identity)
+        sizes.append(size)
+
+    tools_id = tools_identity(body.get("tools"))
+    key = chain(root, tools_id)
+    node = store.get(key)
+    matching = node is not None
+    identities = [tools_id]
+    keys = [key]
+    clean = [-1]
+    nodes: list[Node] = [node] if node is not None else []
+    order: list[int] = []
+    parent = key
+
+    rewrite = policy.repair
+    groups = tool_groups(messages) if rewrite else {}
+    collapse = rewrite and policy.collapse_duplicates
+
+    def take(i: int, key: bytes, node: Node | None) -> None:
+        order.append(i)
+        identities.append(msg_ids[i])
+        keys.append(key)
+        clean.append(sizes[i])
+        if node is not None:
+            nodes.append(node)
+
+    i = 0
+    while i < n:
+        if (
+            collapse
+            and i > 0
+            and msg_ids[i] == msg_ids[i - 1]
+            and _collapsible(messages[i])
+            and _collapsible(messages[i - 1])
+        ):
+            key = chain(parent, msg_ids[i])
+            # Keep it when the stored transcript itself holds the repeat: then it is no replay.
+            if not (matching and store.get(key) is not None):
+                i += 1
+                continue
+        end = groups.get(i)
+        if end is not None and matching and end - i > 1:
+            found = _stored_order(parent, list(range(i, end)), msg_ids, store)
+            if found is not None:
+                for r, key, node in found:
+                    take(r, key, node)
+                parent = key
+                i = end
+                continue
+        key = chain(parent, msg_ids[i])
+        node = store.get(key) if matching else None
+        if node is None:
+            matching = False
+        take(i, key, node)
+        parent = key
+        i += 1
+
+    return Match(
+        root=root,
+        identities=tuple(identities),
+        keys=tuple(keys),
+        order=tuple(order),
+        matched=len(nodes),
+        nodes=tuple(nodes),
+        policy=policy,
+        clean_sizes=tuple(clean),
+    )
+
+
+def forwarded_elements(match: Match, forwarded: Mapping[str, Any]) -> list[Any]:
+    """The elements of the forwarded body in forwarded order: the tools array (``[]`` when absent), then messages.
+
+    ``forwarded`` is the repaired body, or the client's when nothing changed; either way its
+    messages are already in forwarded order."""
+    tools = forwarded.get("tools")
+    messages = forwarded.get("messages")
+    msgs = messages if type(messages) is list else []
+    if len(msgs) != len(match.order):
+        raise ValueError(f"forwarded body has {len(msgs)} messages, the match {len(match.order)}")
+    return [tools if tools is not None else [], *msgs]
+
+
+def new_nodes(
+    match: Match,
+    forwarded: Mapping[str, Any],
+    reply: Mapping[str, Any] | None,
+    *,
+    generated_partial: bool,
+    now: float,
+    count_tokens: Callable[[bytes], int],
+) -> list[Node]:
+    """Nodes to insert after a successful exchange, parents first.
+
+    One node per forwarded element at depth >= ``match.matched`` (body: the element as
+    forwarded), then, when ``reply`` is given, the assistant reply as generated (a child of
+    the last element, ``generated=True``).
+    """
+    elements = forwarded_elements(match, forwarded)
+    out: list[Node] = []
+    root = match.root
+    for depth in range(match.matched, len(match.keys)):
+        element = elements[depth]
+        body = orjson.dumps(element)
+        role = ROLE_TOOLS if depth == 0 else _role(element)
+        out.append(
+            Node(
+                key=match.keys[depth],
+                parent=match.keys[depth - 1] if depth else root,
+                tenant=root,
+                depth=depth,
+                role=role,
+                identity=match.identities[depth],
+                body=body,
+                tokens=count_tokens(body),
+                created=now,
+            )
+        )
+    if reply is not None:
+        parent = match.keys[-1]
+        identity = message_identity(reply, match.policy)
+        body = orjson.dumps(reply)
+        out.append(
+            Node(
+                key=chain(parent, identity),
+                parent=parent,
+                tenant=root,
+                depth=len(match.keys),
+                role=_role(reply) or "assistant",
+                identity=identity,
+                body=body,
+                tokens=count_tokens(body),
+                generated=True,
+                partial=generated_partial,
+                created=now,
+            )
+        )
+    return out
+
+
+def _role(element: Any) -> str:
+    if type(element) is dict:
+        role = element.get("role")
+        if isinstance(role, str):
+            return role
+    return ""

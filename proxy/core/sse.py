@@ -1,0 +1,191 @@
+"""Incremental decoder for ``text/event-stream`` (Server-Sent Events).
+
+The proxy relays a streamed response event by event: it writes each
+:attr:`SSEEvent.raw` to the client as soon as the event is complete, and reads
+:attr:`SSEEvent.data` on the side (reply assembly, usage). So the decoder owns
+two promises:
+
+* **raw fidelity** — the ``raw`` of every event is the exact input bytes of
+  that event, terminating blank line included; concatenating ``raw`` over all
+  events returned by :meth:`SSEDecoder.feed` and :meth:`SSEDecoder.flush`
+  gives back the input, byte for byte;
+* **chunking independence** — the events do not depend on how the transport
+  split the bytes.
+
+Parsing follows the WHATWG rules: lines end with ``\\r\\n``, ``\\n`` or
+``\\r``; an event ends at a blank line; ``field: value`` with one optional
+space after the colon; a line without a colon is a field with an empty value;
+lines starting with ``:`` are comments; ``data`` lines are joined with
+``\\n``; a UTF-8 BOM at the start of the stream is ignored. Unlike a browser,
+the unterminated remainder at end of stream is returned as a final event
+(upstreams that close without the last blank line still deliver their usage).
+
+This is the hot path of streaming: event boundaries are found with
+``bytes.find`` (or, once the stream has shown a ``\\r``, one compiled regex),
+never by a per-byte Python loop.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["SSEDecoder", "SSEEvent"]
+
+_BOM = b"\xef\xbb\xbf"
+
+# A line terminator followed by another one ends an event. A lone "\r" must not
+# be the first half of a "\r\n" pair, or "x\r\n" would read as two line ends.
+_BOUNDARY = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
+# The longest boundary is 4 bytes; a search resumed this far before the old end
+# of the buffer finds every boundary that the new bytes could complete.
+_RESCAN = 3
+
+
+@dataclass(frozen=True, slots=True)
+class SSEEvent:
+    """One event of a stream, with the exact bytes it was made of."""
+
+    raw: bytes
+    """The input bytes of this event, including its terminating blank line."""
+    data: str | None
+    """The ``data`` lines joined with ``\\n``; ``None`` when the event has no ``data`` field."""
+    event: str | None
+    """The ``event`` field (the event type); ``None`` when absent or empty."""
+    id: str | None = None
+    """The ``id`` field, when present (ignored if it contains NUL, as the spec says)."""
+    retry: int | None = None
+    """The ``retry`` field, when it is all ASCII digits."""
+
+
+class SSEDecoder:
+    """Split a byte stream into :class:`SSEEvent` values; feed chunks, then flush at the end."""
+
+    __slots__ = ("_buf", "_cr", "_first", "_scan")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._scan = 0
+        """Offset in ``_buf`` from which the next boundary search starts."""
+        self._cr = False
+        """The stream has shown a ``\\r``: use the general boundary regex from now on."""
+        self._first = True
+        """The next event is the first of the stream (a leading BOM is ignored)."""
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        """Add ``chunk`` and return the events it completed; partial bytes are kept."""
+        if not chunk:
+            return []
+        buf = self._buf
+        buf += chunk
+        if not self._cr and b"\r" in chunk:
+            self._cr = True
+        events: list[SSEEvent] = []
+        size = len(buf)
+        start = 0
+        scan = self._scan
+        while True:
+            # A blank line at the start of an event is an (empty) event of its own, so a
+            # bare-newline keep-alive is relayed at once instead of riding on the next event.
+            lead = self._leading_blank_line(buf, start, size)
+            if lead < 0:
+                scan = start
+                break
+            if lead:
+                end = start + lead
+            elif not self._cr:
+                # The common case: LF-only streams, one C-level scan per boundary.
+                pos = buf.find(b"\n\n", scan)
+                if pos < 0:
+                    scan = max(start, size - 1)
+                    break
+                end = pos + 2
+            else:
+                match = _BOUNDARY.search(buf, scan)
+                if match is None:
+                    scan = max(start, size - _RESCAN)
+                    break
+                end = match.end()
+                if end == size and buf[end - 1] == 0x0D:
+                    # A final "\r" may be the first half of "\r\n": wait for the next byte.
+                    scan = match.start()
+                    break
+            events.append(self._event(bytes(buf[start:end])))
+            start = scan = end
+        if start:
+            del buf[:start]
+            scan -= start
+        self._scan = scan
+        return events
+
+    def flush(self) -> list[SSEEvent]:
+        """End of stream: return the remainder as a final event when it is not empty."""
+        if not self._buf:
+            return []
+        raw = bytes(self._buf)
+        self._buf.clear()
+        self._scan = 0
+        return [self._event(raw)]
+
+    def _leading_blank_line(self, buf: bytearray, start: int, size: int) -> int:
+        """Length of a line terminator at ``start`` (after the stream's BOM); -1: wait for a byte."""
+        pos = start
+        if self._first and buf.startswith(_BOM, start):
+            pos += len(_BOM)
+        if pos >= size:
+            return 0
+        byte = buf[pos]
+        if byte == 0x0A:
+            return pos + 1 - start
+        if byte == 0x0D:
+            if pos + 1 >= size:
+                return -1
+            return pos + (2 if buf[pos + 1] == 0x0A else 1) - start
+        return 0
+
+    def _event(self, raw: bytes) -> SSEEvent:
+        body = raw
+        if self._first:
+            self._first = False
+            if body.startswith(_BOM):
+                body = body[len(_BOM) :]
+        return _parse(raw, body)
+
+
+def _parse(raw: bytes, body: bytes) -> SSEEvent:
+    """Read the fields of one event; ``body`` is ``raw`` less a leading BOM."""
+    data: list[bytes] | None = None
+    event: bytes | None = None
+    ident: bytes | None = None
+    retry: int | None = None
+    # bytes.splitlines breaks at exactly "\r\n", "\n" and "\r", as SSE requires.
+    for line in body.splitlines():
+        if not line or line[0] == 0x3A:  # blank line or ":" comment
+            continue
+        colon = line.find(b":")
+        if colon < 0:
+            name, value = line, b""
+        else:
+            name, value = line[:colon], line[colon + 1 :]
+            if value[:1] == b" ":
+                value = value[1:]
+        if name == b"data":
+            if data is None:
+                data = [value]
+            else:
+                data.append(value)
+        elif name == b"event":
+            event = value
+        elif name == b"id":
+            if b"\x00" not in value:
+                ident = value
+        elif name == b"retry":
+            if value.isdigit():
+                retry = int(value)
+    return SSEEvent(
+        raw=raw,
+        data=None if data is None else b"\n".join(data).decode("utf-8", "replace"),
+        event=event.decode("utf-8", "replace") if event else None,
+        id=None if ident is None else ident.decode("utf-8", "replace"),
+        retry=retry,
+    )

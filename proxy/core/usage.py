@@ -1,0 +1,257 @@
+"""Every usage shape a provider reports, read into one :class:`Usage` value.
+
+Shapes read (from a non-streaming body or from one parsed SSE chunk):
+
+* **OpenAI** chat completions: ``usage.prompt_tokens``, ``completion_tokens``,
+  ``prompt_tokens_details.cached_tokens``,
+  ``completion_tokens_details.reasoning_tokens``; the Responses-API spelling
+  (``input_tokens`` with ``input_tokens_details``, ``output_tokens_details``)
+  and OpenRouter's ``prompt_tokens_details.cache_write_tokens`` and ``usage.cost``;
+* **openhuman**: ``openhuman.usage`` (``input_tokens``, ``output_tokens``,
+  ``cached_input_tokens``) wins over the standard block field by field, and
+  ``openhuman.billing.charged_amount_usd`` is the billed cost;
+* **Anthropic-style** inside ``usage``: ``input_tokens``, ``output_tokens``,
+  ``cache_read_input_tokens``, ``cache_creation_input_tokens``. Anthropic's
+  ``input_tokens`` excludes cache reads and writes, so the prompt is
+  normalized to ``input + cache_read + cache_creation``;
+* **DeepSeek**: ``prompt_cache_hit_tokens`` / ``prompt_cache_miss_tokens``;
+* **llama.cpp** ``timings`` (``cache_n``, ``prompt_n``, ``predicted_n``, the
+  ``*_ms`` figures): when nothing else gives the cached count, it is
+  ``cache_n``; the prompt is ``cache_n + prompt_n`` when usage lacks it.
+
+A missing cached-token count is *unknown* (``None``), never zero: the cache-hit
+ratio must not count a provider that does not report caching as a miss.
+Garbage (strings, negatives, booleans, NaN) in a field drops that field;
+nothing here raises on a malformed body.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+__all__ = ["Usage", "extract_usage", "is_usage_only_chunk", "merge_usage"]
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts (and the billed cost, when a provider bills) of one response."""
+
+    prompt_tokens: int | None
+    """All prompt tokens, cached ones included (normalized across shapes)."""
+    completion_tokens: int | None
+    """Generated tokens, reasoning tokens included."""
+    cached_tokens: int | None
+    """Prompt tokens read from the provider's cache; ``None`` = not reported (unknown)."""
+    cache_write_tokens: int | None
+    """Prompt tokens written to the cache (Anthropic cache creation, OpenRouter cache writes)."""
+    reasoning_tokens: int | None
+    """The part of ``completion_tokens`` spent on reasoning, when reported."""
+    billed_usd: float | None
+    """What the provider charged (``openhuman.billing.charged_amount_usd``, OpenRouter ``usage.cost``)."""
+    source: str
+    """The shape the cached count came from: ``openai``, ``openhuman``, ``anthropic``,
+    ``deepseek`` or ``llamacpp``; ``openai`` when there is no cached count."""
+    timings: Mapping[str, float] | None = None
+    """llama.cpp's ``timings`` block (``cache_n``, ``prompt_n``, ``prompt_ms``, ...), numbers only."""
+
+
+def extract_usage(obj: Mapping[str, Any]) -> Usage | None:
+    """Read the usage of a chat.completion body or of one chat.completion.chunk.
+
+    Returns ``None`` when ``obj`` carries no usage at all (no readable count,
+    no billed cost, no timings).
+    """
+    if not isinstance(obj, Mapping):
+        return None
+    usage = _mapping(obj.get("usage"))
+    openhuman = _mapping(obj.get("openhuman"))
+    oh_usage = _mapping(openhuman.get("usage"))
+    billing = _mapping(openhuman.get("billing"))
+    timings = _timings(obj.get("timings"))
+
+    prompt_details = _mapping(usage.get("prompt_tokens_details"))
+    input_details = _mapping(usage.get("input_tokens_details"))
+    details = prompt_details or input_details
+    completion_details = _mapping(usage.get("completion_tokens_details")) or _mapping(
+        usage.get("output_tokens_details")
+    )
+
+    prompt = _count(usage.get("prompt_tokens"))
+    completion = _count(usage.get("completion_tokens"))
+    input_tokens = _count(usage.get("input_tokens"))
+    output_tokens = _count(usage.get("output_tokens"))
+    cache_read = _count(usage.get("cache_read_input_tokens"))
+    cache_creation = _count(usage.get("cache_creation_input_tokens"))
+    hit = _count(usage.get("prompt_cache_hit_tokens"))
+    miss = _count(usage.get("prompt_cache_miss_tokens"))
+    openai_cached = _count(details.get("cached_tokens"))
+
+    if prompt is None:
+        if hit is not None and miss is not None:
+            prompt = hit + miss
+        elif input_tokens is not None:
+            if input_details or (cache_read is None and cache_creation is None):
+                # Responses API: input_tokens already includes the cached tokens.
+                prompt = input_tokens
+            else:
+                prompt = input_tokens + (cache_read or 0) + (cache_creation or 0)
+    if completion is None:
+        completion = output_tokens
+
+    # openhuman's block wins field by field; the standard block is the fallback.
+    oh_prompt = _count(oh_usage.get("input_tokens"))
+    oh_completion = _count(oh_usage.get("output_tokens"))
+    oh_cached = _count(oh_usage.get("cached_input_tokens"))
+    if oh_prompt is not None:
+        prompt = oh_prompt
+    if oh_completion is not None:
+        completion = oh_completion
+
+    cached: int | None = None
+    source = "openai"
+    cache_n = _count(timings.get("cache_n")) if timings else None
+    for value, shape in (
+        (oh_cached, "openhuman"),
+        (hit, "deepseek"),
+        (cache_read, "anthropic"),
+        (openai_cached, "openai"),
+        (cache_n, "llamacpp"),
+    ):
+        if value is not None:
+            cached, source = value, shape
+            break
+
+    if timings:
+        prompt_n = _count(timings.get("prompt_n"))
+        if prompt is None and cache_n is not None and prompt_n is not None:
+            prompt = cache_n + prompt_n
+        if completion is None:
+            completion = _count(timings.get("predicted_n"))
+
+    cache_write = cache_creation
+    if cache_write is None:
+        cache_write = _count(details.get("cache_write_tokens"))
+    reasoning = _count(completion_details.get("reasoning_tokens"))
+
+    billed = _usd(billing.get("charged_amount_usd"))
+    if billed is None and usage.get("is_byok") is not True:
+        # OpenRouter bills in credits of one USD; with BYOK `cost` is only its fee.
+        billed = _usd(usage.get("cost"))
+
+    if (
+        prompt is None
+        and completion is None
+        and cached is None
+        and cache_write is None
+        and reasoning is None
+        and billed is None
+        and not timings
+    ):
+        return None
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=cached,
+        cache_write_tokens=cache_write,
+        reasoning_tokens=reasoning,
+        billed_usd=billed,
+        source=source,
+        timings=timings or None,
+    )
+
+
+def merge_usage(a: Usage | None, b: Usage | None) -> Usage | None:
+    """Combine usage read from two chunks of one stream: ``b``'s known fields win.
+
+    Usage may arrive split (llama.cpp sends ``timings`` on the finish chunk and
+    ``usage`` on the usage-only chunk); a field ``b`` does not know keeps
+    ``a``'s value. ``source`` follows the cached count it describes.
+    """
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if b.cached_tokens is not None:
+        source = b.source
+    elif a.cached_tokens is not None:
+        source = a.source
+    else:
+        source = b.source
+    timings: Mapping[str, float] | None
+    if a.timings and b.timings:
+        timings = {**a.timings, **b.timings}
+    else:
+        timings = b.timings or a.timings
+    return Usage(
+        prompt_tokens=_later(a.prompt_tokens, b.prompt_tokens),
+        completion_tokens=_later(a.completion_tokens, b.completion_tokens),
+        cached_tokens=_later(a.cached_tokens, b.cached_tokens),
+        cache_write_tokens=_later(a.cache_write_tokens, b.cache_write_tokens),
+        reasoning_tokens=_later(a.reasoning_tokens, b.reasoning_tokens),
+        billed_usd=_later(a.billed_usd, b.billed_usd),
+        source=source,
+        timings=timings,
+    )
+
+
+def is_usage_only_chunk(obj: Mapping[str, Any]) -> bool:
+    """A chat.completion.chunk with ``choices == []`` and a usage block.
+
+    This is the extra chunk an upstream sends for ``stream_options.include_usage``;
+    kvwarm removes it from the client's stream when kvwarm added that option.
+    """
+    if not isinstance(obj, Mapping):
+        return False
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or choices:
+        return False
+    if obj.get("object", "chat.completion.chunk") != "chat.completion.chunk":
+        return False
+    usage = obj.get("usage")
+    return isinstance(usage, Mapping) and bool(usage)
+
+
+def _later(a: _T | None, b: _T | None) -> _T | None:
+    return a if b is None else b
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else _EMPTY
+
+
+_EMPTY: Mapping[str, Any] = {}
+
+
+def _count(value: Any) -> int | None:
+    """A token count: a non-negative integer (an integral float is accepted), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    return None
+
+
+def _usd(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    amount = float(value)
+    return amount if math.isfinite(amount) and amount >= 0 else None
+
+
+def _timings(value: Any) -> dict[str, float]:
+    if not isinstance(value, Mapping):
+        return {}
+    out: dict[str, float] = {}
+    for key, item in value.items():
+        if isinstance(key, str) and not isinstance(item, bool) and isinstance(item, int | float):
+            number = float(item)
+            if math.isfinite(number):
+                out[key] = number
+    return out

@@ -1,0 +1,132 @@
+"""The pooled upstream client: where a request goes, which headers travel, and error conversion.
+
+One :class:`aiohttp.ClientSession` per app (created in the app's ``cleanup_ctx``).
+Library errors become :class:`~proxy.errors.UpstreamUnreachable` (502) or
+:class:`~proxy.errors.UpstreamTimeout` (504) here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Protocol
+
+import aiohttp
+from aiohttp import hdrs
+from multidict import CIMultiDict
+from yarl import URL
+
+from .config import UpstreamSettings
+from .errors import UpstreamTimeout, UpstreamUnreachable
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        hdrs.CONNECTION,
+        "Keep-Alive",
+        hdrs.PROXY_AUTHENTICATE,
+        hdrs.PROXY_AUTHORIZATION,
+        hdrs.TE,
+        "Trailer",
+        hdrs.TRAILER,
+        hdrs.TRANSFER_ENCODING,
+        hdrs.UPGRADE,
+    )
+)
+# Recomputed by aiohttp for the bytes actually sent.
+_REQUEST_DROP = HOP_BY_HOP | {hdrs.HOST.lower(), hdrs.CONTENT_LENGTH.lower(), hdrs.ACCEPT_ENCODING.lower()}
+# The upstream body is decoded here (to observe usage), so its encoding and length no longer apply.
+_RESPONSE_DROP = HOP_BY_HOP | {hdrs.CONTENT_LENGTH.lower(), hdrs.CONTENT_ENCODING.lower()}
+
+
+def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
+    """Header names listed in ``Connection`` are hop-by-hop too (RFC 9110 7.6.1)."""
+    value = headers.get(hdrs.CONNECTION, "")
+    return {t.strip().lower() for t in value.split(",") if t.strip()}
+
+
+def forward_request_headers(incoming: Mapping[str, str], api_key: str = "") -> CIMultiDict[str]:
+    """The client's headers minus hop-by-hop ones; ``Authorization`` replaced when ``api_key`` is set."""
+    drop = _REQUEST_DROP | _connection_tokens(incoming)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        if name.lower() not in drop:
+            out.add(name, value)
+    if api_key:
+        out[hdrs.AUTHORIZATION] = f"Bearer {api_key}"
+    # Only encodings this side can decode (the body is observed on its way back).
+    out[hdrs.ACCEPT_ENCODING] = "gzip, deflate"
+    return out
+
+
+def forward_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
+    """The upstream's response headers minus hop-by-hop, length and encoding headers."""
+    drop = _RESPONSE_DROP | _connection_tokens(upstream)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in upstream.items():
+        if name.lower() not in drop:
+            out.add(name, value)
+    return out
+
+
+class UpstreamSender(Protocol):
+    """The seam between the pipeline and the network."""
+
+    async def send(
+        self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
+    ) -> aiohttp.ClientResponse: ...
+
+    async def read_chunk(self, response: aiohttp.ClientResponse) -> bytes: ...
+
+
+class Upstream:
+    """Sends requests to ``settings.base_url`` over one pooled session."""
+
+    def __init__(self, session: aiohttp.ClientSession, settings: UpstreamSettings) -> None:
+        self._session = session
+        self._settings = settings
+        self._base = URL(settings.base_url.rstrip("/"))
+        self._timeout = aiohttp.ClientTimeout(
+            total=settings.total_timeout,
+            sock_connect=settings.connect_timeout,
+            sock_read=settings.first_byte_timeout,
+        )
+
+    @property
+    def base_url(self) -> URL:
+        return self._base
+
+    def url_for(self, path: str, query: str) -> URL:
+        """``/v1/chat/completions`` -> ``<base_url>/chat/completions`` (the base carries its own /v1)."""
+        tail = path[3:] if path.startswith("/v1/") or path == "/v1" else path
+        url = URL(str(self._base) + tail, encoded=True)
+        return url.with_query(query) if query else url
+
+    async def send(
+        self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
+    ) -> aiohttp.ClientResponse:
+        """Send and wait for the response headers; the body is read by the caller."""
+        try:
+            return await self._session.request(
+                method,
+                self.url_for(path, query),
+                headers=headers,
+                data=body if body else None,
+                timeout=self._timeout,
+                allow_redirects=False,
+                auto_decompress=True,
+            )
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise UpstreamTimeout(f"the upstream did not answer in time: {exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamUnreachable(f"the upstream could not be reached: {type(exc).__name__}") from exc
+
+    async def read_chunk(self, response: aiohttp.ClientResponse) -> bytes:
+        """The next body chunk as it arrives (b"" at the end), within the idle timeout."""
+        try:
+            async with asyncio.timeout(self._settings.idle_timeout):
+                return await response.content.readany()
+        except TimeoutError as exc:
+            raise UpstreamTimeout("the upstream stalled mid-response") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamUnreachable(f"the upstream connection failed mid-response: {type(exc).__name__}") from exc

@@ -1,0 +1,97 @@
+"""Shared fixtures: the reference upstream and kvwarm on real sockets, and the openai SDK as client."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
+
+from proxy.app import REGISTRY, STORE, create_app
+from proxy.config import Settings, load_settings
+from proxy.sim.server import SIM_STATE, SimConfig, create_sim_app
+
+ProxyFactory = Callable[..., Awaitable[TestServer]]
+
+
+def sim_url(server: TestServer) -> str:
+    return str(server.make_url("/v1"))
+
+
+@pytest.fixture
+async def sim(aiohttp_server: Any) -> TestServer:
+    """The reference upstream, OpenAI cache mode."""
+    server: TestServer = await aiohttp_server(create_sim_app(SimConfig()))
+    return server
+
+
+@pytest.fixture
+async def make_sim(aiohttp_server: Any) -> Callable[..., Awaitable[TestServer]]:
+    async def make(**config: Any) -> TestServer:
+        server: TestServer = await aiohttp_server(create_sim_app(SimConfig(**config)))
+        return server
+
+    return make
+
+
+def proxy_settings(upstream: str, **overrides: Any) -> Settings:
+    base = {"store.backend": "memory", "upstream.base_url": upstream, "log.level": "DEBUG"}
+    base.update(overrides)
+    return load_settings(None, env={}, overrides=base)
+
+
+@pytest.fixture
+async def make_proxy(aiohttp_server: Any) -> ProxyFactory:
+    """Start kvwarm in front of ``upstream`` (a TestServer or URL) with setting overrides."""
+
+    async def make(upstream: TestServer | str, *, store: Any = None, **overrides: Any) -> TestServer:
+        url = upstream if isinstance(upstream, str) else sim_url(upstream)
+        dotted = {k.replace("__", "."): v for k, v in overrides.items()}
+        app = create_app(proxy_settings(url, **dotted), registry=CollectorRegistry(), store=store)
+        server: TestServer = await aiohttp_server(app)
+        return server
+
+    return make
+
+
+@pytest.fixture
+async def proxy(make_proxy: ProxyFactory, sim: TestServer) -> TestServer:
+    return await make_proxy(sim)
+
+
+def received(sim_server: TestServer) -> list[Any]:
+    """The requests the reference upstream received, oldest first."""
+    return list(sim_server.app[SIM_STATE].requests)
+
+
+def metric(server: TestServer, name: str, **labels: str) -> float:
+    value = server.app[REGISTRY].get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def store_of(server: TestServer) -> Any:
+    return server.app[STORE]
+
+
+@pytest.fixture
+async def openai_client() -> AsyncIterator[Callable[..., Any]]:
+    """``openai_client(server)``: an AsyncOpenAI pointed at a TestServer's /v1."""
+    import openai
+
+    clients: list[openai.AsyncOpenAI] = []
+
+    def make(server: TestServer, api_key: str = "sk-test-key", **kwargs: Any) -> openai.AsyncOpenAI:
+        client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key=api_key, max_retries=0, **kwargs)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.close()
+
+
+def app_of(server: TestServer) -> web.Application:
+    return server.app

@@ -1,0 +1,220 @@
+"""The SSE decoder: raw fidelity, WHATWG field rules, and independence from chunking."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.core.sse import SSEDecoder, SSEEvent
+
+
+def decode(chunks: list[bytes]) -> list[SSEEvent]:
+    decoder = SSEDecoder()
+    events: list[SSEEvent] = []
+    for chunk in chunks:
+        events.extend(decoder.feed(chunk))
+    events.extend(decoder.flush())
+    return events
+
+
+def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({min(max(c, 0), len(data)) for c in cuts})
+    chunks, last = [], 0
+    for point in points:
+        chunks.append(data[last:point])
+        last = point
+    chunks.append(data[last:])
+    return chunks
+
+
+_LINE = re.compile(rb"([^\r\n]*)(\r\n|\r|\n|$)")
+
+
+def reference(stream: bytes) -> list[tuple[bytes, str | None, str | None]]:
+    """A plain line-by-line reading of the WHATWG rules, independent of the decoder's scanning."""
+    events = []
+    start = 0
+    data: list[str] | None = None
+    event: str | None = None
+    pos = 0
+    first = True
+    while pos < len(stream):
+        match = _LINE.match(stream, pos)
+        assert match is not None
+        line, end = match.group(1), match.end()
+        pos = end
+        if first and line.startswith(b"\xef\xbb\xbf"):
+            line = line[3:]
+        first = False
+        if line == b"" and match.group(2):
+            events.append((stream[start:pos], None if data is None else "\n".join(data), event))
+            start, data, event = pos, None, None
+            continue
+        if line.startswith(b":"):
+            continue
+        name, _, value = line.partition(b":")
+        if value.startswith(b" "):
+            value = value[1:]
+        if name == b"data":
+            data = [*(data or []), value.decode()]
+        elif name == b"event":
+            event = value.decode() or None
+    if start < len(stream):
+        events.append((stream[start:], None if data is None else "\n".join(data), event))
+    return events
+
+
+def triples(events: list[SSEEvent]) -> list[tuple[bytes, str | None, str | None]]:
+    return [(e.raw, e.data, e.event) for e in events]
+
+
+OPENAI_STREAM = (
+    b": OPENROUTER PROCESSING\n\n"
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n'
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"lo \\u00e9\xe2\x82\xac"},"finish_reason":"stop"}]}\n\n'
+    b'data: {"id":"c1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+def test_openai_stream_events_and_raw() -> None:
+    events = decode([OPENAI_STREAM])
+    assert [e.data is None for e in events] == [True, False, False, False, False, False]
+    assert b"".join(e.raw for e in events) == OPENAI_STREAM
+    assert events[0].raw == b": OPENROUTER PROCESSING\n\n"
+    assert json.loads(events[3].data or "")["choices"][0]["delta"]["content"] == "lo é€"
+    assert events[-1].data == "[DONE]"
+    assert all(e.event is None for e in events)
+
+
+def test_every_single_split_of_a_crlf_stream_gives_the_same_events() -> None:
+    stream = OPENAI_STREAM.replace(b"\n", b"\r\n") + b"event: error\r\ndata: {}\r\n\r\n"
+    whole = triples(decode([stream]))
+    assert len(whole) == 7 and whole[-1][2] == "error"
+    for cut in range(len(stream) + 1):
+        assert triples(decode([stream[:cut], stream[cut:]])) == whole, cut
+    assert triples(decode([bytes([b]) for b in stream])) == whole
+
+
+def test_lone_cr_at_chunk_end_waits_for_a_possible_lf() -> None:
+    decoder = SSEDecoder()
+    assert decoder.feed(b"data: a\r\r") == []  # the last "\r" may be half of "\r\n"
+    events = decoder.feed(b"\ndata: b\r\r")
+    assert [e.raw for e in events] == [b"data: a\r\r\n"]
+    assert decoder.feed(b"x") == [SSEEvent(raw=b"data: b\r\r", data="b", event=None)]
+    assert [e.raw for e in decoder.flush()] == [b"x"]
+
+
+def test_mixed_line_endings_end_events_at_the_first_blank_line() -> None:
+    stream = b"data: 1\n\r\ndata: 2\r\n\ndata: 3\r\rdata: 4\n\rdata: 5\r\n\r\n"
+    events = decode([stream])
+    assert [e.data for e in events] == ["1", "2", "3", "4", "5"]
+    assert [e.raw for e in events] == [
+        b"data: 1\n\r\n",
+        b"data: 2\r\n\n",
+        b"data: 3\r\r",
+        b"data: 4\n\r",
+        b"data: 5\r\n\r\n",
+    ]
+
+
+def test_field_rules() -> None:
+    stream = (
+        b"data:no-space\ndata:  two\ndata\n: comment\nid: 7\nretry: 1500\nevent: delta\n"
+        b"unknown: x\n\n"
+    )
+    (event,) = decode([stream])
+    assert event.data == "no-space\n two\n"
+    assert event.event == "delta"
+    assert event.id == "7"
+    assert event.retry == 1500
+
+
+def test_comment_only_event_has_no_data_and_empty_data_is_empty_string() -> None:
+    events = decode([b": keep-alive\n\ndata:\n\n"])
+    assert events[0].data is None
+    assert events[1].data == ""
+
+
+def test_flush_returns_an_unterminated_remainder() -> None:
+    decoder = SSEDecoder()
+    assert decoder.feed(b'data: {"a":1}\n\ndata: [DONE]') == [
+        SSEEvent(raw=b'data: {"a":1}\n\n', data='{"a":1}', event=None)
+    ]
+    assert decoder.flush() == [SSEEvent(raw=b"data: [DONE]", data="[DONE]", event=None)]
+    assert decoder.flush() == []
+    assert decoder.feed(b"") == []
+
+
+def test_bom_is_ignored_for_parsing_but_kept_in_raw() -> None:
+    stream = b"\xef\xbb\xbfdata: x\n\n\xef\xbb\xbfdata: y\n\n"
+    events = decode([stream[:1], stream[1:]])
+    assert events[0].data == "x"
+    assert events[0].raw.startswith(b"\xef\xbb\xbf")
+    # Only the stream's first BOM is special; a later one is part of a field name.
+    assert events[1].data is None
+
+
+def test_invalid_utf8_is_replaced_not_raised() -> None:
+    (event,) = decode([b"data: \xff\xfe\n\n"])
+    assert event.data == "\ufffd\ufffd"
+
+
+def test_large_event_split_into_many_chunks() -> None:
+    payload = b"data: " + b"x" * 200_000 + b"\n\n"
+    chunks = [payload[i : i + 1000] for i in range(0, len(payload), 1000)]
+    (event,) = decode(chunks)
+    assert event.raw == payload and len(event.data or "") == 200_000
+
+
+# --- chunking independence --------------------------------------------------------------
+
+_text = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"), max_size=20
+)
+_line = st.one_of(
+    _text.map(lambda t: "data: " + t),
+    _text.map(lambda t: "data:" + t),
+    st.just("data"),
+    st.sampled_from(["event: message", "event: error", "id: 42", "retry: 3000", "event:"]),
+    _text.map(lambda t: ":" + t),
+    st.builds(lambda c: "data: " + json.dumps({"choices": [{"delta": {"content": c}}]}), _text),
+)
+_eol = st.sampled_from(["\n", "\r\n", "\r"])
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> bytes:
+    mixed = draw(st.booleans())
+    fixed = draw(_eol)
+    out = []
+    for _ in range(draw(st.integers(0, 6))):
+        for line in draw(st.lists(_line, min_size=0, max_size=4)):
+            out.append(line + (draw(_eol) if mixed else fixed))
+        out.append(draw(_eol) if mixed else fixed)
+    if draw(st.booleans()):  # an unterminated tail
+        out.append(draw(_line))
+        if draw(st.booleans()):
+            out.append(draw(_eol) if mixed else fixed)
+    return "".join(out).encode()
+
+
+@settings(max_examples=400, deadline=None)
+@given(stream=streams(), cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_decoding_is_independent_of_chunking(stream: bytes, cuts: list[int]) -> None:
+    one_shot = decode([stream])
+    chunked = decode(split_at(stream, cuts))
+    assert triples(chunked) == triples(one_shot) == reference(stream)
+    assert b"".join(e.raw for e in chunked) == stream
+
+
+@settings(max_examples=200, deadline=None)
+@given(stream=st.binary(max_size=200), cuts=st.lists(st.integers(0, 200), max_size=8))
+def test_arbitrary_bytes_round_trip(stream: bytes, cuts: list[int]) -> None:
+    chunked = decode(split_at(stream, cuts))
+    assert b"".join(e.raw for e in chunked) == stream
+    assert [e.raw for e in chunked] == [e.raw for e in decode([stream])]

@@ -1,0 +1,435 @@
+"""Usage extraction from every shape kvwarm meets, with unknown kept apart from zero."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
+
+OPENAI_BODY: dict[str, Any] = {
+    "id": "chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT",
+    "object": "chat.completion",
+    "created": 1741569952,
+    "model": "gpt-4o-2024-08-06",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hi.", "refusal": None, "annotations": []},
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ],
+    "usage": {
+        "prompt_tokens": 2006,
+        "completion_tokens": 300,
+        "total_tokens": 2306,
+        "prompt_tokens_details": {"cached_tokens": 1920, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 64,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    },
+    "service_tier": "default",
+    "system_fingerprint": "fp_fc9f1d7035",
+}
+
+OPENAI_USAGE_CHUNK: dict[str, Any] = {
+    "id": "chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT",
+    "object": "chat.completion.chunk",
+    "created": 1741569952,
+    "model": "gpt-4o-mini-2024-07-18",
+    "system_fingerprint": "fp_06737a9306",
+    "choices": [],
+    "usage": {
+        "prompt_tokens": 1337,
+        "completion_tokens": 12,
+        "total_tokens": 1349,
+        "prompt_tokens_details": {"cached_tokens": 1152, "audio_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0},
+    },
+}
+
+OPENAI_CONTENT_CHUNK: dict[str, Any] = {
+    "id": "chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT",
+    "object": "chat.completion.chunk",
+    "created": 1741569952,
+    "model": "gpt-4o-mini-2024-07-18",
+    "choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}],
+    "usage": None,
+}
+
+
+def test_openai_body() -> None:
+    assert extract_usage(OPENAI_BODY) == Usage(
+        prompt_tokens=2006,
+        completion_tokens=300,
+        cached_tokens=1920,
+        cache_write_tokens=None,
+        reasoning_tokens=64,
+        billed_usd=None,
+        source="openai",
+    )
+
+
+def test_openai_final_stream_chunk_is_usage_only() -> None:
+    usage = extract_usage(OPENAI_USAGE_CHUNK)
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (1337, 12, 1152)
+    assert usage.reasoning_tokens == 0
+    assert is_usage_only_chunk(OPENAI_USAGE_CHUNK)
+
+
+def test_content_chunk_has_no_usage_and_is_not_usage_only() -> None:
+    assert extract_usage(OPENAI_CONTENT_CHUNK) is None
+    assert not is_usage_only_chunk(OPENAI_CONTENT_CHUNK)
+
+
+def test_is_usage_only_chunk_edges() -> None:
+    assert not is_usage_only_chunk({**OPENAI_USAGE_CHUNK, "usage": None})
+    assert not is_usage_only_chunk({**OPENAI_USAGE_CHUNK, "usage": {}})
+    assert not is_usage_only_chunk({**OPENAI_USAGE_CHUNK, "object": "chat.completion"})
+    assert not is_usage_only_chunk({"usage": {"prompt_tokens": 1}})  # no choices key at all
+    assert not is_usage_only_chunk(
+        {**OPENAI_USAGE_CHUNK, "choices": [OPENAI_CONTENT_CHUNK["choices"][0]]}
+    )
+    assert is_usage_only_chunk({"choices": [], "usage": {"prompt_tokens": 1}})  # object omitted
+    assert not is_usage_only_chunk([])  # type: ignore[arg-type]
+
+
+def test_openai_without_cache_details_is_unknown_not_zero() -> None:
+    # vLLM without --enable-prompt-tokens-details, and most local servers.
+    body = {
+        "usage": {
+            "prompt_tokens": 812,
+            "total_tokens": 840,
+            "completion_tokens": 28,
+            "prompt_tokens_details": None,
+        }
+    }
+    usage = extract_usage(body)
+    assert usage is not None
+    assert usage.prompt_tokens == 812
+    assert usage.cached_tokens is None
+    assert usage.reasoning_tokens is None
+    assert usage.source == "openai"
+
+
+def test_openhuman_blocks_win_and_bill() -> None:
+    body = {
+        **OPENAI_BODY,
+        "openhuman": {
+            "usage": {
+                "input_tokens": 5000,
+                "output_tokens": 1200,
+                "total_tokens": 6200,
+                "cached_input_tokens": 3500,
+            },
+            "billing": {"charged_amount_usd": 0.0045, "currency": "USD"},
+        },
+    }
+    usage = extract_usage(body)
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (5000, 1200, 3500)
+    assert usage.billed_usd == 0.0045
+    assert usage.source == "openhuman"
+    assert usage.reasoning_tokens == 64  # only the standard block reports it
+
+
+def test_openhuman_missing_field_falls_back_to_standard_usage() -> None:
+    body = {**OPENAI_BODY, "openhuman": {"usage": {"input_tokens": 2006}, "billing": {}}}
+    usage = extract_usage(body)
+    assert usage is not None
+    assert usage.cached_tokens == 1920 and usage.source == "openai"
+    assert usage.completion_tokens == 300
+    assert usage.billed_usd is None
+
+
+def test_openhuman_billing_alone_is_usage() -> None:
+    usage = extract_usage({"openhuman": {"billing": {"charged_amount_usd": 0.12}}})
+    assert usage == Usage(None, None, None, None, None, 0.12, "openai")
+
+
+def test_anthropic_style_normalizes_prompt_to_include_cache_reads_and_writes() -> None:
+    body = {
+        "id": "msg_01XFDUDYJgAACzvnptvVoYEL",
+        "model": "claude-sonnet-4-20250514",
+        "usage": {
+            "input_tokens": 50,
+            "cache_creation_input_tokens": 248,
+            "cache_read_input_tokens": 10000,
+            "output_tokens": 503,
+            "service_tier": "standard",
+        },
+    }
+    assert extract_usage(body) == Usage(
+        prompt_tokens=10298,
+        completion_tokens=503,
+        cached_tokens=10000,
+        cache_write_tokens=248,
+        reasoning_tokens=None,
+        billed_usd=None,
+        source="anthropic",
+    )
+
+
+def test_anthropic_fields_next_to_openai_prompt_tokens_do_not_double_count() -> None:
+    # A router (LiteLLM-style) that reports OpenAI totals and Anthropic cache fields.
+    body = {
+        "usage": {
+            "prompt_tokens": 10298,
+            "completion_tokens": 503,
+            "cache_read_input_tokens": 10000,
+            "cache_creation_input_tokens": 248,
+        }
+    }
+    usage = extract_usage(body)
+    assert usage is not None
+    assert usage.prompt_tokens == 10298
+    assert (usage.cached_tokens, usage.cache_write_tokens, usage.source) == (
+        10000,
+        248,
+        "anthropic",
+    )
+
+
+def test_responses_api_input_tokens_include_cached() -> None:
+    body = {
+        "usage": {
+            "input_tokens": 3000,
+            "input_tokens_details": {"cached_tokens": 2048},
+            "output_tokens": 100,
+            "output_tokens_details": {"reasoning_tokens": 40},
+            "total_tokens": 3100,
+        }
+    }
+    usage = extract_usage(body)
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.reasoning_tokens) == (3000, 2048, 40)
+
+
+def test_deepseek() -> None:
+    body = {
+        "id": "930c60df-bf64-41c9-a88e-3ec75f81e00e",
+        "object": "chat.completion",
+        "model": "deepseek-reasoner",
+        "usage": {
+            "prompt_tokens": 1500,
+            "completion_tokens": 120,
+            "total_tokens": 1620,
+            "prompt_tokens_details": {"cached_tokens": 1280},
+            "completion_tokens_details": {"reasoning_tokens": 80},
+            "prompt_cache_hit_tokens": 1280,
+            "prompt_cache_miss_tokens": 220,
+        },
+    }
+    assert extract_usage(body) == Usage(1500, 120, 1280, None, 80, None, "deepseek")
+
+
+def test_deepseek_prompt_from_hit_and_miss() -> None:
+    usage = extract_usage(
+        {
+            "usage": {
+                "completion_tokens": 5,
+                "prompt_cache_hit_tokens": 64,
+                "prompt_cache_miss_tokens": 9,
+            }
+        }
+    )
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.source) == (73, 64, "deepseek")
+
+
+def test_openrouter_cost_and_cache_writes() -> None:
+    chunk = {
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 194,
+            "completion_tokens": 2,
+            "total_tokens": 196,
+            "cost": 0.00095,
+            "is_byok": False,
+            "prompt_tokens_details": {
+                "cached_tokens": 0,
+                "cache_write_tokens": 100,
+                "audio_tokens": 0,
+            },
+            "cost_details": {"upstream_inference_cost": None},
+            "completion_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
+    usage = extract_usage(chunk)
+    assert usage is not None
+    assert usage.billed_usd == 0.00095
+    assert usage.cached_tokens == 0  # reported zero is a known zero
+    assert usage.cache_write_tokens == 100
+    byok = extract_usage({**chunk, "usage": {**chunk["usage"], "is_byok": True}})
+    assert byok is not None and byok.billed_usd is None
+
+
+LLAMACPP_TIMINGS = {
+    "cache_n": 1000,
+    "prompt_n": 24,
+    "prompt_ms": 30.512,
+    "prompt_per_token_ms": 1.271,
+    "prompt_per_second": 786.6,
+    "predicted_n": 12,
+    "predicted_ms": 120.25,
+    "predicted_per_token_ms": 10.02,
+    "predicted_per_second": 99.8,
+}
+
+
+def test_llamacpp_body_with_timings() -> None:
+    body = {
+        "choices": [
+            {"finish_reason": "stop", "index": 0, "message": {"role": "assistant", "content": "ok"}}
+        ],
+        "created": 1735689600,
+        "model": "SmolLM2-135M-Instruct",
+        "object": "chat.completion",
+        "usage": {"completion_tokens": 12, "prompt_tokens": 1024, "total_tokens": 1036},
+        "timings": LLAMACPP_TIMINGS,
+    }
+    usage = extract_usage(body)
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (1024, 12, 1000)
+    assert usage.source == "llamacpp"
+    assert usage.timings is not None and usage.timings["prompt_ms"] == 30.512
+
+
+def test_llamacpp_stream_usage_split_across_chunks_merges() -> None:
+    finish_chunk = {
+        "choices": [{"finish_reason": "stop", "index": 0, "delta": {}}],
+        "object": "chat.completion.chunk",
+        "timings": LLAMACPP_TIMINGS,
+    }
+    usage_chunk = {
+        "choices": [],
+        "object": "chat.completion.chunk",
+        "usage": {"completion_tokens": 12, "prompt_tokens": 1024, "total_tokens": 1036},
+    }
+    first = extract_usage(finish_chunk)
+    assert first is not None
+    assert (first.prompt_tokens, first.completion_tokens, first.cached_tokens) == (1024, 12, 1000)
+    second = extract_usage(usage_chunk)
+    assert second is not None and second.cached_tokens is None
+    merged = merge_usage(first, second)
+    assert merged is not None
+    assert (merged.prompt_tokens, merged.completion_tokens, merged.cached_tokens) == (
+        1024,
+        12,
+        1000,
+    )
+    assert merged.source == "llamacpp"
+    assert merged.timings == {k: float(v) for k, v in LLAMACPP_TIMINGS.items()}
+
+
+def test_timings_without_cache_n_leave_cache_unknown() -> None:
+    usage = extract_usage({"timings": {"prompt_n": 24, "predicted_n": 3, "prompt_ms": 1.0}})
+    assert usage is not None
+    assert usage.cached_tokens is None
+    assert usage.prompt_tokens is None  # prompt_n alone is only the uncached part
+    assert usage.completion_tokens == 3
+
+
+def test_merge_later_known_fields_win() -> None:
+    a = Usage(100, None, 50, None, None, None, "deepseek", {"cache_n": 1.0, "prompt_n": 2.0})
+    b = Usage(120, 7, None, 3, 2, 0.5, "openai", {"prompt_n": 9.0})
+    merged = merge_usage(a, b)
+    assert merged == Usage(120, 7, 50, 3, 2, 0.5, "deepseek", {"cache_n": 1.0, "prompt_n": 9.0})
+    assert merge_usage(None, b) is b and merge_usage(a, None) is a
+    assert merge_usage(None, None) is None
+    c = Usage(1, 1, 0, None, None, None, "openai")
+    merged_c = merge_usage(a, c)
+    assert merged_c is not None and (merged_c.cached_tokens, merged_c.source) == (0, "openai")
+
+
+def test_garbage_fields_are_ignored_one_by_one() -> None:
+    body = {
+        "usage": {
+            "prompt_tokens": "2006",
+            "completion_tokens": -5,
+            "prompt_tokens_details": {"cached_tokens": True},
+            "completion_tokens_details": ["reasoning_tokens", 3],
+            "cache_read_input_tokens": math.nan,
+            "prompt_cache_hit_tokens": 1.5,
+        },
+        "openhuman": {"usage": "lots", "billing": {"charged_amount_usd": "0.01"}},
+        "timings": [1, 2],
+    }
+    assert extract_usage(body) is None
+    body["usage"]["output_tokens"] = 7.0  # an integral float is a count
+    usage = extract_usage(body)
+    assert usage == Usage(None, 7, None, None, None, None, "openai")
+    assert extract_usage({"openhuman": {"billing": {"charged_amount_usd": -1}}}) is None
+    assert extract_usage({"openhuman": {"billing": {"charged_amount_usd": math.inf}}}) is None
+    assert extract_usage({"timings": {"cache_n": math.nan, "prompt_n": False}}) is None
+
+
+def test_non_mapping_inputs_do_not_raise() -> None:
+    for obj in ([], "usage", None, 3, {"usage": [1, 2]}, {"usage": None}, {"openhuman": "x"}, {}):
+        assert extract_usage(obj) is None  # type: ignore[arg-type]
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "usage",
+                    "prompt_tokens",
+                    "completion_tokens",
+                    "prompt_tokens_details",
+                    "cached_tokens",
+                    "input_tokens",
+                    "output_tokens",
+                    "cache_read_input_tokens",
+                    "cache_creation_input_tokens",
+                    "openhuman",
+                    "billing",
+                    "charged_amount_usd",
+                    "cached_input_tokens",
+                    "timings",
+                    "cache_n",
+                    "prompt_n",
+                    "cost",
+                    "choices",
+                ]
+            ),
+            children,
+            max_size=5,
+        )
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(obj=_json)
+def test_never_raises_and_counts_are_sane(obj: Any) -> None:
+    for candidate in (obj, {"usage": obj}, {"openhuman": {"usage": obj}}, {"timings": obj}):
+        usage = extract_usage(candidate)
+        is_usage_only_chunk(candidate)
+        if usage is None:
+            continue
+        for value in (
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached_tokens,
+            usage.cache_write_tokens,
+            usage.reasoning_tokens,
+        ):
+            assert value is None or (type(value) is int and value >= 0)
+        assert usage.billed_usd is None or (
+            math.isfinite(usage.billed_usd) and usage.billed_usd >= 0
+        )
+        assert usage.source in {"openai", "openhuman", "anthropic", "deepseek", "llamacpp"}

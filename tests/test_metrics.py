@@ -1,0 +1,296 @@
+"""ProxyMetrics: values read back from a fresh registry, bounded labels, valid exposition."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import proxy
+from proxy.core.pricing import Cost
+from proxy.core.usage import Usage
+from proxy.metrics import ERROR_STAGES, ProxyMetrics
+from proxy.store.base import StoreStats
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def metrics(registry: CollectorRegistry) -> ProxyMetrics:
+    return ProxyMetrics(registry)
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def usage(
+    prompt: int | None = 1000,
+    completion: int | None = 50,
+    cached: int | None = 800,
+    write: int | None = None,
+    reasoning: int | None = None,
+) -> Usage:
+    return Usage(prompt, completion, cached, write, reasoning, None, "openai")
+
+
+def observe(metrics: ProxyMetrics, **overrides: object) -> None:
+    args: dict[str, object] = {
+        "model": "gpt-4o",
+        "status": 200,
+        "stream": True,
+        "duration": 1.5,
+        "ttfb": 0.3,
+        "usage": usage(),
+        "cost": Cost(0.002, False),
+    }
+    args.update(overrides)
+    metrics.observe_request(**args)  # type: ignore[arg-type]
+
+
+def test_request_usage_and_cost(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    observe(metrics, usage=usage(1000, 50, 800, write=100, reasoning=20))
+    observe(metrics, usage=usage(500, 10, 0), stream=False, cost=Cost(0.01, True))
+    m = {"model": "gpt-4o"}
+    assert (
+        value(registry, "kvwarm_requests_total", model="gpt-4o", status="2xx", stream="true") == 1
+    )
+    assert (
+        value(registry, "kvwarm_requests_total", model="gpt-4o", status="2xx", stream="false") == 1
+    )
+    assert value(registry, "kvwarm_prompt_tokens_total", **m) == 1500
+    assert value(registry, "kvwarm_cached_prompt_tokens_total", **m) == 800
+    assert value(registry, "kvwarm_cache_known_prompt_tokens_total", **m) == 1500
+    assert value(registry, "kvwarm_completion_tokens_total", **m) == 60
+    assert value(registry, "kvwarm_reasoning_tokens_total", **m) == 20
+    assert value(registry, "kvwarm_cache_write_tokens_total", **m) == 100
+    assert value(
+        registry, "kvwarm_cost_usd_total", model="gpt-4o", source="estimated"
+    ) == pytest.approx(0.002)
+    assert value(
+        registry, "kvwarm_cost_usd_total", model="gpt-4o", source="billed"
+    ) == pytest.approx(0.01)
+    assert value(registry, "kvwarm_usage_unknown_cache_total", **m) is None
+    assert value(registry, "kvwarm_usage_missing_total", **m) is None
+
+
+def test_unknown_cache_stays_out_of_the_hit_ratio_denominator(
+    metrics: ProxyMetrics, registry: CollectorRegistry
+) -> None:
+    observe(metrics, usage=usage(1000, 10, 900))
+    observe(metrics, usage=usage(3000, 10, None))  # a provider that does not report caching
+    m = {"model": "gpt-4o"}
+    assert value(registry, "kvwarm_prompt_tokens_total", **m) == 4000
+    assert value(registry, "kvwarm_cache_known_prompt_tokens_total", **m) == 1000
+    assert value(registry, "kvwarm_cached_prompt_tokens_total", **m) == 900
+    assert value(registry, "kvwarm_usage_unknown_cache_total", **m) == 1
+    # The per-request ratio histogram saw only the known response (0.9).
+    assert value(registry, "kvwarm_request_cache_hit_ratio_count", **m) == 1
+    assert value(registry, "kvwarm_request_cache_hit_ratio_bucket", model="gpt-4o", le="0.8") == 0
+    assert value(registry, "kvwarm_request_cache_hit_ratio_bucket", model="gpt-4o", le="0.9") == 1
+
+
+def test_zero_cached_is_a_known_miss(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    observe(metrics, usage=usage(1000, 10, 0))
+    assert value(registry, "kvwarm_cache_known_prompt_tokens_total", model="gpt-4o") == 1000
+    assert value(registry, "kvwarm_cached_prompt_tokens_total", model="gpt-4o") == 0
+    assert value(registry, "kvwarm_request_cache_hit_ratio_bucket", model="gpt-4o", le="0.0") == 1
+
+
+def test_missing_usage_counts_only_for_successful_responses(
+    metrics: ProxyMetrics, registry: CollectorRegistry
+) -> None:
+    observe(metrics, usage=None, cost=None)
+    observe(metrics, usage=None, cost=None, status=502)
+    observe(metrics, usage=None, cost=None, status=None, ttfb=None)
+    assert value(registry, "kvwarm_usage_missing_total", model="gpt-4o") == 1
+    assert (
+        value(registry, "kvwarm_requests_total", model="gpt-4o", status="5xx", stream="true") == 1
+    )
+    assert (
+        value(registry, "kvwarm_requests_total", model="gpt-4o", status="error", stream="true") == 1
+    )
+    assert value(registry, "kvwarm_upstream_ttfb_seconds_count", model="gpt-4o", stream="true") == 2
+    assert (
+        value(registry, "kvwarm_request_duration_seconds_count", model="gpt-4o", stream="true") == 3
+    )
+
+
+def test_unpriced_requests(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    observe(metrics, model="my-finetune", cost=Cost(None, False))
+    assert value(registry, "kvwarm_unpriced_requests_total", model="my-finetune") == 1
+    assert value(registry, "kvwarm_cost_usd_total", model="my-finetune", source="estimated") is None
+
+
+def test_model_label_is_bounded(registry: CollectorRegistry) -> None:
+    metrics = ProxyMetrics(registry, max_models=2)
+    for model in ("a", "b", "c", "d", "a"):
+        observe(metrics, model=model)
+    requests = {"status": "2xx", "stream": "true"}
+    assert value(registry, "kvwarm_requests_total", model="a", **requests) == 2
+    assert value(registry, "kvwarm_requests_total", model="b", **requests) == 1
+    assert value(registry, "kvwarm_requests_total", model="c", **requests) is None
+    assert value(registry, "kvwarm_requests_total", model="other", **requests) == 2
+    assert metrics.model_label("") == "unknown"
+    assert metrics.model_label("b") == "b"
+    assert metrics.model_label("x" * 500) == "other"
+
+
+def test_latency_histograms_use_llm_buckets(
+    metrics: ProxyMetrics, registry: CollectorRegistry
+) -> None:
+    observe(metrics, duration=95.0, ttfb=0.004)
+    labels = {"model": "gpt-4o", "stream": "true"}
+    assert value(registry, "kvwarm_upstream_ttfb_seconds_bucket", le="0.005", **labels) == 1
+    assert value(registry, "kvwarm_request_duration_seconds_bucket", le="60.0", **labels) == 0
+    assert value(registry, "kvwarm_request_duration_seconds_bucket", le="120.0", **labels) == 1
+    assert value(registry, "kvwarm_request_duration_seconds_sum", **labels) == 95.0
+
+
+def test_repairs_breaks_and_matching(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    metrics.observe_repairs(["arguments_json", "tools_order", "arguments_json"], 12_000, "gpt-4o")
+    metrics.observe_repairs([], 0, "gpt-4o")
+    metrics.observe_break("content_changed")
+    metrics.observe_break("content_changed")
+    metrics.observe_match(7, 9)
+    metrics.observe_match(0, 3)
+    assert value(registry, "kvwarm_repairs_total", kind="arguments_json") == 2
+    assert value(registry, "kvwarm_repairs_total", kind="tools_order") == 1
+    assert value(registry, "kvwarm_repair_rescued_tokens_total", model="gpt-4o") == 12_000
+    assert value(registry, "kvwarm_prefix_breaks_total", reason="content_changed") == 2
+    assert value(registry, "kvwarm_matched_messages_total") == 7
+    assert value(registry, "kvwarm_request_messages_total") == 12
+
+
+def test_kind_and_reason_vocabularies_are_capped(
+    metrics: ProxyMetrics, registry: CollectorRegistry
+) -> None:
+    for i in range(60):
+        metrics.observe_break(f"reason_{i}")
+    assert value(registry, "kvwarm_prefix_breaks_total", reason="reason_49") == 1
+    assert value(registry, "kvwarm_prefix_breaks_total", reason="reason_50") is None
+    assert value(registry, "kvwarm_prefix_breaks_total", reason="other") == 10
+
+
+def test_errors_by_stage(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    for stage in ERROR_STAGES:
+        assert value(registry, "kvwarm_errors_total", stage=stage) == 0  # present from the start
+    metrics.error("repair")
+    metrics.error("repair")
+    metrics.error("something-new")
+    assert value(registry, "kvwarm_errors_total", stage="repair") == 2
+    assert value(registry, "kvwarm_errors_total", stage="other") == 1
+
+
+def test_inflight(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    with metrics.inflight():
+        with metrics.inflight():
+            assert value(registry, "kvwarm_inflight_requests") == 2
+    assert value(registry, "kvwarm_inflight_requests") == 0
+    with pytest.raises(RuntimeError), metrics.inflight():
+        raise RuntimeError("boom")
+    assert value(registry, "kvwarm_inflight_requests") == 0
+
+
+def test_store_gauges(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    metrics.set_store(StoreStats(nodes=10, bytes=4096, blobs=3, sessions=2, corrupt=1, evicted=0))
+    assert value(registry, "kvwarm_store_nodes") == 10
+    assert value(registry, "kvwarm_store_bytes") == 4096
+    assert value(registry, "kvwarm_store_sessions") == 2
+    assert value(registry, "kvwarm_store_corrupt_entries") == 1
+    current = {"stats": StoreStats(nodes=1, bytes=2, blobs=0, sessions=3, corrupt=0, evicted=0)}
+    metrics.track_store(lambda: current["stats"])
+    assert value(registry, "kvwarm_store_nodes") == 1
+    current["stats"] = StoreStats(nodes=5, bytes=2, blobs=0, sessions=3, corrupt=4, evicted=0)
+    assert value(registry, "kvwarm_store_nodes") == 5  # read at scrape time
+    assert value(registry, "kvwarm_store_corrupt_entries") == 4
+
+
+def test_build_info(registry: CollectorRegistry, metrics: ProxyMetrics) -> None:
+    assert value(registry, "kvwarm_build_info", version=proxy.__version__) == 1
+
+
+def test_two_instances_do_not_share_state() -> None:
+    first, second = CollectorRegistry(), CollectorRegistry()
+    observe(ProxyMetrics(first))
+    ProxyMetrics(second)
+    labels = {"model": "gpt-4o", "status": "2xx", "stream": "true"}
+    assert value(first, "kvwarm_requests_total", **labels) == 1
+    assert value(second, "kvwarm_requests_total", **labels) is None
+
+
+EXPECTED_FAMILIES = {
+    "kvwarm_requests": "counter",
+    "kvwarm_prompt_tokens": "counter",
+    "kvwarm_cached_prompt_tokens": "counter",
+    "kvwarm_cache_write_tokens": "counter",
+    "kvwarm_completion_tokens": "counter",
+    "kvwarm_reasoning_tokens": "counter",
+    "kvwarm_cache_known_prompt_tokens": "counter",
+    "kvwarm_usage_unknown_cache": "counter",
+    "kvwarm_usage_missing": "counter",
+    "kvwarm_cost_usd": "counter",
+    "kvwarm_unpriced_requests": "counter",
+    "kvwarm_request_cache_hit_ratio": "histogram",
+    "kvwarm_repair_rescued_tokens": "counter",
+    "kvwarm_repairs": "counter",
+    "kvwarm_prefix_breaks": "counter",
+    "kvwarm_matched_messages": "counter",
+    "kvwarm_request_messages": "counter",
+    "kvwarm_request_duration_seconds": "histogram",
+    "kvwarm_upstream_ttfb_seconds": "histogram",
+    "kvwarm_inflight_requests": "gauge",
+    "kvwarm_store_nodes": "gauge",
+    "kvwarm_store_bytes": "gauge",
+    "kvwarm_store_sessions": "gauge",
+    "kvwarm_store_corrupt_entries": "gauge",
+    "kvwarm_errors": "counter",
+    "kvwarm_build_info": "gauge",
+}
+
+
+def populated() -> bytes:
+    registry = CollectorRegistry()
+    metrics = ProxyMetrics(registry)
+    observe(metrics, usage=usage(1000, 50, 800, write=5, reasoning=3))
+    observe(metrics, cost=Cost(None, False), usage=usage(cached=None))
+    observe(metrics, usage=None, cost=None)
+    metrics.observe_repairs(["arguments_json"], 10, "gpt-4o")
+    metrics.observe_break("content_changed")
+    metrics.observe_match(1, 2)
+    metrics.set_store(StoreStats(nodes=1, bytes=1, blobs=1, sessions=1, corrupt=0, evicted=0))
+    return generate_latest(registry)
+
+
+def test_exposition_names_types_and_suffixes() -> None:
+    # The 0.0.4 text format shows each counter's `_created` sample as a gauge family of its own.
+    families = {
+        f.name: f
+        for f in text_string_to_metric_families(populated().decode())
+        if not f.name.endswith("_created")
+    }
+    assert {name: f.type for name, f in families.items()} == EXPECTED_FAMILIES
+    for family in families.values():
+        for sample in family.samples:
+            if family.type == "counter":
+                assert sample.name in (family.name + "_total", family.name + "_created"), (
+                    sample.name
+                )
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+def test_promtool_check_metrics_passes() -> None:
+    result = subprocess.run(
+        ["promtool", "check", "metrics"],
+        input=populated(),
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
