@@ -116,18 +116,17 @@ class Pipeline:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         ex = Exchange(request)
-        self.metrics.inflight_inc()
-        try:
-            ex.raw_body = await self.read_request_body(request)
-            self.parse(ex)
-            if ex.body is not None:
-                self.fingerprint(ex)
-            ex.forward_body = self.forward_bytes(ex)
-            return await self.forward(ex)
-        finally:
-            self.metrics.inflight_dec()
-            if ex.body is not None:
-                self.observe(ex)
+        with self.metrics.inflight():
+            try:
+                ex.raw_body = await self.read_request_body(request)
+                self.parse(ex)
+                if ex.body is not None:
+                    self.fingerprint(ex)
+                ex.forward_body = self.forward_bytes(ex)
+                return await self.forward(ex)
+            finally:
+                if ex.body is not None:
+                    self.observe(ex)
 
     async def read_request_body(self, request: web.Request) -> bytes:
         limit = self.settings.server.max_body_bytes

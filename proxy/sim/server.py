@@ -46,6 +46,7 @@ from .cache import PrefixCache, block_hashes
 from .render import (
     Segment,
     encode_segments,
+    get_encoding,
     render_segments,
     reply_segments,
     segments_text,
@@ -274,7 +275,14 @@ def create_sim_app(config: SimConfig | None = None) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/sim/requests", list_requests)
     app.router.add_post("/sim/reset", reset)
+    app.on_startup.append(_load_encoding)
     return app
+
+
+async def _load_encoding(app: web.Application) -> None:
+    # Loading the tokenizer takes a moment: do it before the first request, so
+    # that request's time to first token measures only what the config says.
+    await asyncio.to_thread(get_encoding)
 
 
 def cache_for(config: SimConfig) -> PrefixCache:

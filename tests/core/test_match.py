@@ -87,7 +87,7 @@ def test_tenants_never_match_each_other(store: DictStore) -> None:
 def test_tool_groups() -> None:
     msgs = agent_history(turns=2, parallel=3)
     groups = tool_groups(msgs)
-    assert groups == {3: 6, 8: 11}
+    assert groups == {3: 6, 9: 12}
     assert tool_groups([assistant("x"), result("c", "orphan")]) == {}
 
 
@@ -139,7 +139,7 @@ def test_collapse_drops_an_exact_replay_of_the_previous_message(store: DictStore
     replay = make_chat(*msgs, user("fix the bug"), assistant("Which bug?"), user("the crash"))
     t = collapsing.look(replay)
     # the request replays the user turn, then echoes the reply: the replay is dropped
-    assert t.match.order == (0, 2, 3)
+    assert t.match.order == (0, 1, 3, 4)
     assert t.match.matched == 4
     assert "duplicate_collapsed" in t.kinds()
     assert [m["content"] for m in t.forwarded["messages"]] == ["s", "fix the bug", "Which bug?", "the crash"]

@@ -102,7 +102,7 @@ class Recorder:
 @pytest.fixture
 async def recorder(aiohttp_server: Any) -> tuple[Recorder, TestServer]:
     rec = Recorder()
-    server = await aiohttp_server(rec.app(), handler_cancellation=True)
+    server = await aiohttp_server(rec.app())
     return rec, server
 
 
