@@ -175,11 +175,14 @@ def span_of(client: str, stored: str, depth: int) -> Span | None:
     p = _common_prefix(client, stored)
     s = _common_suffix(client, stored, min(len(client), len(stored)) - p)
     start, end = p, len(client) - s
-    # Widen to the token around the change: "10:0[5:13]Z" is a timestamp, not "5:13".
-    while start > 0 and _token_char(client[start - 1]):
-        start -= 1
-    while end < len(client) and _token_char(client[end]):
-        end += 1
+    # Widen to the token around the change: "10:0[5:13]Z" is a timestamp, not "5:13". A pure
+    # deletion is widened only when it falls inside a token ("10:|5"), not between words.
+    inside = 0 < start < len(client) and _token_char(client[start - 1]) and _token_char(client[start])
+    if end > start or inside:
+        while start > 0 and _token_char(client[start - 1]):
+            start -= 1
+        while end < len(client) and _token_char(client[end]):
+            end += 1
     # ... but not over sentence punctuation that merely follows it.
     while end > max(start, len(client) - s) and client[end - 1] in ".:":
         end -= 1

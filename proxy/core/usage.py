@@ -95,10 +95,11 @@ def extract_usage(obj: Mapping[str, Any]) -> Usage | None:
         if hit is not None and miss is not None:
             prompt = hit + miss
         elif input_tokens is not None:
-            if input_details or (cache_read is None and cache_creation is None):
+            if input_details:
                 # Responses API: input_tokens already includes the cached tokens.
                 prompt = input_tokens
             else:
+                # Anthropic: input_tokens counts only what was neither read nor written.
                 prompt = input_tokens + (cache_read or 0) + (cache_creation or 0)
     if completion is None:
         completion = output_tokens
