@@ -389,7 +389,7 @@ class Pipeline:
         if repairs:
             parts.append(f"rescued={ex.plan.rescued_tokens if ex.plan else 0}")
         headers: dict[str, str] = {}
-        if ex.brk is not None:
+        if ex.brk is not None and ex.brk.reason != "new_branch":
             where = "tools" if ex.brk.depth == 0 else str(ex.brk.depth - 1)
             parts.append(f"break={ex.brk.reason}@{where}")
             span = ex.brk.span

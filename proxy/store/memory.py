@@ -258,8 +258,13 @@ class MemoryStore:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _add(self, node: Node, used: float, *, notify: bool = True) -> Node | None:
-        """Store ``node`` if absent and its parent is present; returns the stored node."""
+    def _add(
+        self, node: Node, used: float, *, digest: bytes | None = None, notify: bool = True
+    ) -> Node | None:
+        """Store ``node`` if absent and its parent is present; returns the stored node.
+
+        ``digest``: the body's blob hash when the caller verified it already.
+        """
         if node.key in self._nodes:
             return None
         if node.depth == 0:
@@ -273,7 +278,8 @@ class MemoryStore:
                 return None
             tenant = parent.tenant
             parent_key = parent.key
-        digest = blob_hash(node.body)
+        if digest is None:
+            digest = blob_hash(node.body)
         blob = self._blobs.get(digest)
         new_blob = blob is None
         if blob is None:
@@ -283,7 +289,20 @@ class MemoryStore:
             self._blob_bytes += len(node.body)
         blob.refs += 1
         if node.body is not blob.data or node.parent is not parent_key or node.tenant is not tenant:
-            node = replace(node, body=blob.data, parent=parent_key, tenant=tenant, role=sys.intern(node.role))
+            # The constructor, not dataclasses.replace: this runs for every node loaded.
+            node = Node(
+                key=node.key,
+                parent=parent_key,
+                tenant=tenant,
+                depth=node.depth,
+                role=sys.intern(node.role),
+                identity=node.identity,
+                body=blob.data,
+                tokens=node.tokens,
+                generated=node.generated,
+                partial=node.partial,
+                created=node.created,
+            )
         self._nodes[node.key] = node
         _index_add(self._children, parent_key, node)
         _index_add(self._by_identity, (tenant, node.identity), node)

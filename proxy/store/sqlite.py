@@ -255,7 +255,7 @@ class _Batch:
 class _Loaded:
     """What :meth:`SqliteStore._read_all` found, before it enters the index."""
 
-    nodes: list[tuple[Node, float]] = field(default_factory=list)
+    nodes: list[tuple[Node, float, bytes]] = field(default_factory=list)
     totals: list[tuple[bytes, SessionTotals]] = field(default_factory=list)
     bad_nodes: list[object] = field(default_factory=list)
     bad_sessions: list[object] = field(default_factory=list)
@@ -485,7 +485,7 @@ class SqliteStore(MemoryStore):
                 corrupt.add("blob", digest, "data does not match its hash")
         for row in conn.execute(f"SELECT {_NODE_COLUMNS} FROM nodes"):
             try:
-                out.nodes.append(_decode_node(row, blobs))
+                out.nodes.append(_decode_node(row, blobs))  # (node, used, digest)
             except CorruptEntry as exc:
                 corrupt.add("node", row[0], str(exc))
                 out.bad_nodes.append(row[0])
@@ -507,8 +507,8 @@ class SqliteStore(MemoryStore):
         """Fill the memory index (parents first, children oldest first) and delete what is unusable."""
         loaded.nodes.sort(key=lambda item: (item[0].depth, item[0].created))
         orphans: list[object] = []
-        for node, used in loaded.nodes:
-            if self._add(node, used, notify=False) is None:
+        for node, used, digest in loaded.nodes:
+            if self._add(node, used, digest=digest, notify=False) is None:
                 orphans.append(node.key)
         if orphans:
             logger.info("store %s: dropped %d nodes below missing or corrupt nodes", self._path, len(orphans))
@@ -534,17 +534,26 @@ class SqliteStore(MemoryStore):
             raise
 
 
-def _decode_node(row: tuple[Any, ...], blobs: dict[bytes, bytes]) -> tuple[Node, float]:
+def _decode_node(row: tuple[Any, ...], blobs: dict[bytes, bytes]) -> tuple[Node, float, bytes]:
     key, parent, tenant, depth, role, identity, body_hash, tokens, flags, created, used, checksum = row
-    if not all(isinstance(v, bytes) for v in (key, parent, tenant, identity, body_hash, checksum)):
-        raise CorruptEntry("a hash column is not a blob")
-    if not all(type(v) is int for v in (depth, tokens, flags)) or not isinstance(role, bytes):
-        raise CorruptEntry("a column has the wrong type")
+    # Plain ``type() is`` tests: this runs for every row on open.
+    if not (
+        type(key) is bytes
+        and type(parent) is bytes
+        and type(tenant) is bytes
+        and type(identity) is bytes
+        and type(body_hash) is bytes
+        and type(checksum) is bytes
+        and type(role) is bytes
+    ):
+        raise CorruptEntry("a column is not a blob")
+    if not (type(depth) is int and type(tokens) is int and type(flags) is int):
+        raise CorruptEntry("a column is not an integer")
     try:
         role = role.decode()
     except UnicodeDecodeError as exc:
         raise CorruptEntry("the role is not UTF-8") from exc
-    if not all(type(v) in (int, float) for v in (created, used)):
+    if type(created) not in (int, float) or type(used) not in (int, float):
         raise CorruptEntry("a time column is not a number")
     created, used = float(created), float(used)
     try:
@@ -569,7 +578,7 @@ def _decode_node(row: tuple[Any, ...], blobs: dict[bytes, bytes]) -> tuple[Node,
         partial=bool(flags & _PARTIAL),
         created=created,
     )
-    return node, used
+    return node, used, body_hash
 
 
 class _CorruptLog:
