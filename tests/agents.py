@@ -230,6 +230,7 @@ class Agent:
     system: str = SYSTEM
     tools: list[dict[str, Any]] = field(default_factory=lambda: copy.deepcopy(TOOLS))
     model: str = "kvwarm-sim"
+    user_turns: list[str] = field(default_factory=lambda: list(USER_TURNS))
     history: list[dict[str, Any]] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     sent: int = 0
@@ -237,7 +238,7 @@ class Agent:
 
     def __post_init__(self) -> None:
         if not self.history:
-            self.history = [{"role": "system", "content": self.system}, {"role": "user", "content": USER_TURNS[0]}]
+            self.history = [{"role": "system", "content": self.system}, {"role": "user", "content": self.user_turns[0]}]
 
     def next_request(self) -> dict[str, Any]:
         turn = len(self.turns)
@@ -264,7 +265,7 @@ class Agent:
                 })
         else:
             user_turns = sum(1 for m in self.history if m["role"] == "user")
-            self.history.append({"role": "user", "content": USER_TURNS[user_turns % len(USER_TURNS)]})
+            self.history.append({"role": "user", "content": self.user_turns[user_turns % len(self.user_turns)]})
         turn = Turn(request, response, resent)
         self.turns.append(turn)
         return turn

@@ -231,8 +231,8 @@ def _text_kind(client: str, restored: str) -> str:
 
 def _repair_content(client: Any, stored: Any, *, final: bool) -> tuple[Any, str]:
     """(new content in the client's form, kind), or (_SAME, "")."""
-    ct = single_text(client)
-    st = single_text(stored)
+    ct = "" if client is None else single_text(client)
+    st = "" if stored is None else single_text(stored)
     if ct is not None and st is not None:
         if ct == st:
             return _SAME, ""
@@ -240,6 +240,10 @@ def _repair_content(client: Any, stored: Any, *, final: bool) -> tuple[Any, str]
         if restored == ct:
             return _SAME, ""
         kind = _text_kind(ct, restored)
+        if client is None or restored == "":
+            # No client form to keep, or nothing left to say: the stored value as it was accepted
+            # (null, "", a text part) -- never an empty text part of our making.
+            return (stored if restored == st else restored), kind
         if type(client) is str:
             return restored, kind
         part = dict(client[0])  # keep the part's cache_control and key order

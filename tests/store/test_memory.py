@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import sys
+import tracemalloc
 from dataclasses import replace
 
+import orjson
 import pytest
 
 from proxy.errors import ConfigError
@@ -224,6 +228,30 @@ def test_blobs_are_interned(make_path, make_tenant):
     assert 20_000 < payload < 20_000 + sessions * 60
     systems = {id(n.body) for n in store._nodes.values() if n.role == "system"}
     assert len(systems) == 1
+
+
+def test_node_overhead_estimate_is_honest(make_path, make_tenant):
+    """stats().bytes is what the byte budget and the benchmark see: it must not hide real memory."""
+    sessions = 5_000
+    paths = [make_path(make_tenant(f"t{i}"), [("system", "S" * 2_000), f"q {i}", ("assistant", f"a {i}")]) for i in range(sessions)]
+    # Bodies as the pipeline makes them: fresh orjson output (which over-allocates).
+    paths = [[replace(n, body=orjson.dumps(orjson.loads(n.body))) for n in p] for p in paths]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        store = MemoryStore(3600, BIG)
+        for p in paths:
+            store.insert(p)
+        del paths
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    stats = store.stats()
+    # The nodes' keys and identities were allocated before tracing: add them back.
+    held += stats.nodes * 2 * sys.getsizeof(b"x" * 16)
+    print(held / stats.nodes, stats.bytes / stats.nodes)
+    assert held <= stats.bytes * 1.25, (held / stats.nodes, stats.bytes / stats.nodes)
 
 
 def test_blob_bytes_released_with_last_reference(make_path, make_tenant, clock):
