@@ -177,7 +177,9 @@ def span_of(client: str, stored: str, depth: int) -> Span | None:
     start, end = p, len(client) - s
     # Widen to the token around the change: "10:0[5:13]Z" is a timestamp, not "5:13". A pure
     # deletion is widened only when it falls inside a token ("10:|5"), not between words.
-    inside = 0 < start < len(client) and _token_char(client[start - 1]) and _token_char(client[start])
+    inside = (
+        0 < start < len(client) and _token_char(client[start - 1]) and _token_char(client[start])
+    )
     if end > start or inside:
         while start > 0 and _token_char(client[start - 1]):
             start -= 1

@@ -3,8 +3,9 @@
 Indexes (all plain dicts, so every read is O(1) whatever the number of sessions):
 
 - ``key -> Node``;
-- ``parent -> [children]``, oldest first (a tenant root is the parent of element 0);
-- ``(tenant, identity) -> [nodes]``;
+- ``parent -> children``, oldest first (a tenant root is the parent of element 0);
+- ``(tenant, identity) -> nodes``;
+  (both hold a lone Node, or a list once there are two);
 - ``leaf -> SessionTotals``;
 - ``key -> last use``, kept in least-recently-used order (a touch re-inserts the key
   at the end), which is what eviction walks.

@@ -216,7 +216,6 @@ class _Batch:
         self.nodes.pop(key, None)
         self.used.pop(key, None)
         self.dropped.add(key)
-        self.end_session(key)
 
     def put_blob(self, digest: bytes, data: bytes) -> None:
         self.blobs[digest] = data
@@ -265,7 +264,8 @@ class SqliteStore(MemoryStore):
     """The embedded default store: memory in front, sqlite behind, written off the event loop.
 
     ``secret``: when ``None``, read from ``<path>.secret`` (created on first open), so
-    tenant roots survive restarts.
+    tenant roots survive restarts; :meth:`secret` raises :class:`StoreError` before
+    :meth:`open`. Like :class:`MemoryStore`, it evicts only when :meth:`evict` is called.
     """
 
     def __init__(
@@ -296,7 +296,7 @@ class SqliteStore(MemoryStore):
 
     async def open(self) -> None:
         if self._opened:
-            raise StoreError(f"the store {self._path} is already open")
+            raise StoreError(f"the store {self._path} was opened already (a store opens once)")
         await asyncio.to_thread(self._open_sync)
         self._opened = True
         self._task = asyncio.create_task(self._flush_loop(), name="kvwarm-store-flush")
@@ -308,6 +308,8 @@ class SqliteStore(MemoryStore):
         if task is not None:
             task.cancel()
             await asyncio.wait({task})
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("store flush task of %s failed", self._path, exc_info=task.exception())
         try:
             async with self._lock:
                 await self._flush_locked()

@@ -46,8 +46,17 @@ def assistant(text: str | None, *calls: Msg, **extra: Any) -> Msg:
 
 def call(call_id: str, name: str, arguments: Any, **extra: Any) -> Msg:
     """A tool call; ``arguments`` given as a value is serialized compactly (as a model writes it)."""
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}, **extra}
+    args = (
+        arguments
+        if isinstance(arguments, str)
+        else json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
+    )
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+        **extra,
+    }
 
 
 def result(call_id: str, text: str, **extra: Any) -> Msg:
@@ -75,7 +84,9 @@ READ = tool_def("read_file", "Read a file from the workspace.", path="string")
 TOOLS = [WEATHER, SEARCH, READ]
 
 
-def make_chat(*messages: Msg, tools: Sequence[Msg] | None = None, model: str = "gpt-test", **extra: Any) -> dict[str, Any]:
+def make_chat(
+    *messages: Msg, tools: Sequence[Msg] | None = None, model: str = "gpt-test", **extra: Any
+) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "messages": [copy.deepcopy(m) for m in messages]}
     if tools is not None:
         body["tools"] = copy.deepcopy(list(tools))
@@ -88,7 +99,10 @@ def agent_history(turns: int = 3, *, parallel: int = 2) -> list[Msg]:
     msgs: list[Msg] = [system("You are a careful coding agent.\nWork in /repo. Be brief.\n")]
     for t in range(turns):
         msgs.append(user(f"Task {t}: check the weather in 北京 and find file {t}.py"))
-        calls = [call(f"call_{t}_{j}", "get_weather", {"city": "北京", "days": j + 1}) for j in range(parallel)]
+        calls = [
+            call(f"call_{t}_{j}", "get_weather", {"city": "北京", "days": j + 1})
+            for j in range(parallel)
+        ]
         msgs.append(assistant(None, *calls))
         msgs.extend(result(f"call_{t}_{j}", f"Sunny, {20 + j}°C\n") for j in range(parallel))
         msgs.append(assistant(f"Done with task {t}.\n"))
@@ -176,11 +190,18 @@ class Session:
         forwarded = plan.body if plan.body is not None else dict(body)
         return Turn(match, plan, brk, forwarded, [])
 
-    def turn(self, body: Mapping[str, Any], reply: Msg | None = None, *, partial: bool = False) -> Turn:
+    def turn(
+        self, body: Mapping[str, Any], reply: Msg | None = None, *, partial: bool = False
+    ) -> Turn:
         """One exchange: look, then record the forwarded elements and the generated reply."""
         t = self.look(body)
         t.nodes = new_nodes(
-            t.match, t.forwarded, reply, generated_partial=partial, now=1000.0, count_tokens=count_tokens
+            t.match,
+            t.forwarded,
+            reply,
+            generated_partial=partial,
+            now=1000.0,
+            count_tokens=count_tokens,
         )
         self.store.insert(t.nodes)
         return t

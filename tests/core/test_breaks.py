@@ -83,7 +83,13 @@ def test_text_change_is_content_changed_with_a_span(talked: Session) -> None:
 
 def test_extra_context_added_to_a_user_turn(talked: Session) -> None:
     msgs = history(3)
-    msgs[5] = {"role": "user", "content": [{"type": "text", "text": "[Mon 10:01] calendar: standup at 11"}, {"type": "text", "text": "question 3"}]}
+    msgs[5] = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "[Mon 10:01] calendar: standup at 11"},
+            {"type": "text", "text": "question 3"},
+        ],
+    }
     b = brk(talked, *msgs, tools=TOOLS)
     assert b is not None and (b.reason, b.depth) == ("content_changed", 6)
     assert b.span is not None and b.span.offset == 0
@@ -117,9 +123,15 @@ def test_tool_set_changed(talked: Session) -> None:
 
 
 def test_tool_description_timestamp_changed(talked: Session) -> None:
-    dated = {**READ, "function": {**READ["function"], "description": "Read a file. Session sess_9f3a2c."}}
+    dated = {
+        **READ,
+        "function": {**READ["function"], "description": "Read a file. Session sess_9f3a2c."},
+    }
     talked.turn(make_chat(user("x"), tools=[WEATHER, SEARCH, dated]), assistant("y"))
-    redated = {**READ, "function": {**READ["function"], "description": "Read a file. Session sess_71bb0e."}}
+    redated = {
+        **READ,
+        "function": {**READ["function"], "description": "Read a file. Session sess_71bb0e."},
+    }
     b = brk(talked, user("x"), tools=[WEATHER, SEARCH, redated])
     assert b is not None and b.reason == "tools_changed"
     assert b.span is not None
@@ -127,14 +139,18 @@ def test_tool_description_timestamp_changed(talked: Session) -> None:
 
 
 def test_reasoning_dropped_from_the_echo(session: Session) -> None:
-    session.turn(make_chat(user("why?")), assistant("Because.", reasoning_content="Let me think about it."))
+    session.turn(
+        make_chat(user("why?")), assistant("Because.", reasoning_content="Let me think about it.")
+    )
     b = brk(session, user("why?"), assistant("Because."), user("ok"))
     assert b == Break("reasoning_changed", 2, None)
 
 
 def test_reasoning_added(session: Session) -> None:
     session.turn(make_chat(user("why?")), assistant("Because."))
-    b = brk(session, user("why?"), assistant("Because.", reasoning="re-rendered thinking"), user("ok"))
+    b = brk(
+        session, user("why?"), assistant("Because.", reasoning="re-rendered thinking"), user("ok")
+    )
     assert b is not None and b.reason == "reasoning_changed"
 
 
@@ -153,31 +169,50 @@ def test_generated_reply_changed_by_a_plugin(talked: Session) -> None:
         pytest.param('{"a":1,"a":2}', '{"a":2}', id="duplicate-keys"),
     ],
 )
-def test_semantic_argument_drift_on_a_generated_reply(session: Session, generated: str, echoed: str) -> None:
+def test_semantic_argument_drift_on_a_generated_reply(
+    session: Session, generated: str, echoed: str
+) -> None:
     session.turn(make_chat(user("go")), assistant(None, call("c1", "f", generated)))
-    t = session.look(make_chat(user("go"), assistant(None, call("c1", "f", echoed)), result("c1", "ok")))
+    t = session.look(
+        make_chat(user("go"), assistant(None, call("c1", "f", echoed)), result("c1", "ok"))
+    )
     assert t.brk == Break("assistant_modified", 2, None)
     assert t.plan.body is None, "never rewritten"
 
 
 def test_semantic_argument_drift_on_a_client_message(session: Session) -> None:
     # A history the client wrote itself (e.g. loaded from disk): not a generated reply.
-    session.turn(make_chat(user("go"), assistant(None, call("c1", "f", '{"n":1}')), result("c1", "ok")), assistant("done"))
-    t = session.look(make_chat(user("go"), assistant(None, call("c1", "f", '{"n":1.0}')), result("c1", "ok")))
+    session.turn(
+        make_chat(user("go"), assistant(None, call("c1", "f", '{"n":1}')), result("c1", "ok")),
+        assistant("done"),
+    )
+    t = session.look(
+        make_chat(user("go"), assistant(None, call("c1", "f", '{"n":1.0}')), result("c1", "ok"))
+    )
     assert t.brk is not None and t.brk.reason == "content_changed" and t.brk.depth == 2
     assert t.brk.span is not None
 
 
 def test_tool_call_ids_regenerated(session: Session) -> None:
-    session.turn(make_chat(user("go")), assistant(None, call("functions.search:0", "search", {"query": "x"})))
+    session.turn(
+        make_chat(user("go")), assistant(None, call("functions.search:0", "search", {"query": "x"}))
+    )
     t = session.look(
-        make_chat(user("go"), assistant(None, call("functions_search_0_ab12cd", "search", {"query": "x"})), result("functions_search_0_ab12cd", "r"))
+        make_chat(
+            user("go"),
+            assistant(None, call("functions_search_0_ab12cd", "search", {"query": "x"})),
+            result("functions_search_0_ab12cd", "r"),
+        )
     )
     assert t.brk == Break("assistant_modified", 2, None)
 
 
 def test_tool_result_rewritten_by_a_hook(session: Session) -> None:
-    msgs = [user("go"), assistant(None, call("c1", "read_file", {"path": "a.py"})), result("c1", "x = 1\n" * 20)]
+    msgs = [
+        user("go"),
+        assistant(None, call("c1", "read_file", {"path": "a.py"})),
+        result("c1", "x = 1\n" * 20),
+    ]
     session.turn(make_chat(*msgs), assistant("read it"))
     pruned = [*msgs[:2], result("c1", "[pruned]"), assistant("read it"), user("next")]
     b = brk(session, *pruned)
@@ -207,7 +242,8 @@ def test_message_inserted(talked: Session) -> None:
 @pytest.mark.parametrize("dropped_turns", [1, 2])
 def test_truncated_head(talked: Session, dropped_turns: int) -> None:
     msgs = history(3)
-    compacted = [msgs[0], *msgs[1 + 2 * dropped_turns :]]  # the oldest turns dropped to fit the window
+    # the oldest turns dropped to fit the window, the system prompt kept
+    compacted = [msgs[0], *msgs[1 + 2 * dropped_turns :]]
     assert brk(talked, *compacted, tools=TOOLS) == Break("truncated_head", 2, None)
 
 
@@ -221,7 +257,9 @@ def test_new_role_without_a_stored_peer_is_a_new_branch(session: Session) -> Non
 def test_observe_mode_diagnoses_too(store: DictStore) -> None:
     Session(store=store).turn(make_chat(user("a")), assistant("b"))
     observer = Session(store=store, policy=Policy(repair=False))
-    assert observer.look(make_chat(user("a"), assistant("b!"))).brk == Break("assistant_modified", 2, None)
+    assert observer.look(make_chat(user("a"), assistant("b!"))).brk == Break(
+        "assistant_modified", 2, None
+    )
 
 
 # -- spans -----------------------------------------------------------------------------------
@@ -230,8 +268,18 @@ def test_observe_mode_diagnoses_too(store: DictStore) -> None:
 @pytest.mark.parametrize(
     ("stored", "client", "shape", "hint"),
     [
-        ("at 2026-11-03T10:00:00Z.", "at 2026-11-03T10:05:13Z.", "dddd-dd-ddTdd:dd:ddZ", r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z"),
-        ("cwd: /home/ann/proj\n", "cwd: /home/bob/proj\n", "/aaaa/aaa/aaaa", "/[A-Za-z]{4}/[A-Za-z]{3}/[A-Za-z]{4}"),
+        (
+            "at 2026-11-03T10:00:00Z.",
+            "at 2026-11-03T10:05:13Z.",
+            "dddd-dd-ddTdd:dd:ddZ",
+            r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z",
+        ),
+        (
+            "cwd: /home/ann/proj\n",
+            "cwd: /home/bob/proj\n",
+            "/aaaa/aaa/aaaa",
+            "/[A-Za-z]{4}/[A-Za-z]{3}/[A-Za-z]{4}",
+        ),
         ("id=4f2a9c end", "id=77be01 end", "ddaadd", "[0-9A-Za-z]{6}"),
         ("at 10:05 ok", "at 10:5 ok", "dd:d", r"\d{2}:\d"),
         ("v1.2.3 ok", "v1.2.4 ok", "ad.d.d", r"[0-9A-Za-z]{2}\.\d\.\d"),

@@ -39,14 +39,27 @@ CALLS = assistant(
         pytest.param({"content": "hello there", "role": "user"}, id="message-keys"),
         pytest.param({"role": "user", "content": "hello there", "name": ""}, id="name-empty"),
         pytest.param({"role": "user", "content": "hello there", "name": None}, id="name-null"),
-        pytest.param({"role": "user", "content": "hello there", "cache_control": {"type": "ephemeral"}}, id="cc-msg"),
-        pytest.param({"role": "user", "content": [{"type": "text", "text": "hello there"}]}, id="one-part"),
         pytest.param(
-            {"role": "user", "content": [{"text": "hello there", "type": "text", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "user", "content": "hello there", "cache_control": {"type": "ephemeral"}},
+            id="cc-msg",
+        ),
+        pytest.param(
+            {"role": "user", "content": [{"type": "text", "text": "hello there"}]}, id="one-part"
+        ),
+        pytest.param(
+            {
+                "role": "user",
+                "content": [
+                    {"text": "hello there", "type": "text", "cache_control": {"type": "ephemeral"}}
+                ],
+            },
             id="one-part-cc",
         ),
         pytest.param({"role": "user", "content": "  hello there\n"}, id="edge-whitespace"),
-        pytest.param({"role": "user", "content": [{"type": "text", "text": "hello there\n\n"}]}, id="part-whitespace"),
+        pytest.param(
+            {"role": "user", "content": [{"type": "text", "text": "hello there\n\n"}]},
+            id="part-whitespace",
+        ),
     ],
 )
 def test_user_message_safe_drifts(drifted: dict[str, Any]) -> None:
@@ -54,10 +67,18 @@ def test_user_message_safe_drifts(drifted: dict[str, Any]) -> None:
 
 
 def test_list_with_cache_control_back_to_string() -> None:
-    listed = {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}
+    listed = {
+        "role": "user",
+        "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}],
+    }
     assert same(listed, user("hi"))
     # ... and two lists that differ only in where the marker sits
-    moved = {"role": "user", "content": [{"cache_control": {"type": "ephemeral", "ttl": "1h"}, "type": "text", "text": "hi"}]}
+    moved = {
+        "role": "user",
+        "content": [
+            {"cache_control": {"type": "ephemeral", "ttl": "1h"}, "type": "text", "text": "hi"}
+        ],
+    }
     assert same(listed, moved)
 
 
@@ -101,16 +122,29 @@ def test_transport_index_and_null_fields_inside_tool_calls() -> None:
     "reserialize",
     [
         pytest.param(lambda v: json.dumps(v), id="python-json-dumps-unicode-escapes"),
-        pytest.param(lambda v: json.dumps(dict(reversed(list(v.items()))), ensure_ascii=False), id="keys-reordered"),
+        pytest.param(
+            lambda v: json.dumps(dict(reversed(list(v.items()))), ensure_ascii=False),
+            id="keys-reordered",
+        ),
         pytest.param(lambda v: json.dumps(v, indent=2, ensure_ascii=False), id="indented"),
-        pytest.param(lambda v: " " + json.dumps(v, separators=(" , ", " : ")) + "\n", id="whitespace"),
+        pytest.param(
+            lambda v: " " + json.dumps(v, separators=(" , ", " : ")) + "\n", id="whitespace"
+        ),
     ],
 )
 def test_arguments_reserialized(reserialize: Any) -> None:
-    value = {"city": "北京", "days": 1, "opts": {"unit": "C", "hours": [1, 2, 3]}, "note": "a \"quoted\" \\ line\n"}
+    value = {
+        "city": "北京",
+        "days": 1,
+        "opts": {"unit": "C", "hours": [1, 2, 3]},
+        "note": 'a "quoted" \\ line\n',
+    }
     original = assistant(None, call("c1", "get_weather", value))
     drifted = assistant(None, call("c1", "get_weather", reserialize(value)))
-    assert original["tool_calls"][0]["function"]["arguments"] != drifted["tool_calls"][0]["function"]["arguments"]
+    assert (
+        original["tool_calls"][0]["function"]["arguments"]
+        != drifted["tool_calls"][0]["function"]["arguments"]
+    )
     assert same(original, drifted)
 
 
@@ -121,7 +155,11 @@ def test_tool_calls_order() -> None:
 
 def test_tool_call_keys_reordered() -> None:
     c = CALLS["tool_calls"][0]
-    reordered = {"function": {"arguments": c["function"]["arguments"], "name": c["function"]["name"]}, "type": "function", "id": c["id"]}
+    reordered = {
+        "function": {"arguments": c["function"]["arguments"], "name": c["function"]["name"]},
+        "type": "function",
+        "id": c["id"],
+    }
     assert same(CALLS, {**CALLS, "tool_calls": [reordered, CALLS["tool_calls"][1]]})
 
 
@@ -134,11 +172,15 @@ def test_unknown_keys_canonicalized_not_ignored() -> None:
 def test_tools_identity_safe_drifts() -> None:
     base = tools_identity([WEATHER, SEARCH, READ])
     assert tools_identity([READ, WEATHER, SEARCH]) == base
-    reordered_keys = [orjson.loads(orjson.dumps(d, option=orjson.OPT_SORT_KEYS)) for d in (WEATHER, SEARCH, READ)]
+    reordered_keys = [
+        orjson.loads(orjson.dumps(d, option=orjson.OPT_SORT_KEYS)) for d in (WEATHER, SEARCH, READ)
+    ]
     assert tools_identity(reordered_keys) == base
     reparsed = [json.loads(json.dumps(d, indent=4)) for d in (SEARCH, READ, WEATHER)]
     assert tools_identity(reparsed) == base
-    assert tools_identity([WEATHER, SEARCH, {**READ, "cache_control": {"type": "ephemeral"}}]) == base
+    assert (
+        tools_identity([WEATHER, SEARCH, {**READ, "cache_control": {"type": "ephemeral"}}]) == base
+    )
 
 
 @pytest.mark.parametrize("absent", [None, []])
@@ -163,21 +205,43 @@ def test_identities_are_16_bytes() -> None:
         pytest.param(user("hi"), user("[Mon 10:01] calendar: standup\n\nhi"), id="context-added"),
         pytest.param(
             user("hi"),
-            {"role": "user", "content": [{"type": "text", "text": "[Mon 10:01] info"}, {"type": "text", "text": "hi"}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "[Mon 10:01] info"},
+                    {"type": "text", "text": "hi"},
+                ],
+            },
             id="context-added-as-parts",
         ),
         pytest.param(user("hi", name="alice"), user("hi", name="bob"), id="name"),
-        pytest.param(result("call_1", "ok"), result("functions_call_1_ab12cd", "ok"), id="tool_call_id"),
-        pytest.param(assistant("x"), assistant("x", refusal="I can't"), id="refusal-text"),
-        pytest.param(assistant("x"), assistant("x", annotations=[{"type": "url_citation"}]), id="annotations"),
-        pytest.param(assistant("x"), assistant("x", reasoning_content="think"), id="reasoning-added"),
-        pytest.param(assistant("x", reasoning_content="a"), assistant("x", reasoning_content="b"), id="reasoning-changed"),
-        pytest.param(assistant("x", reasoning="a"), assistant("x", thinking="a"), id="reasoning-renamed"),
         pytest.param(
-            assistant("x", thought_signature="c2lnMQ=="), assistant("x", thought_signature="c2lnMg=="), id="signature"
+            result("call_1", "ok"), result("functions_call_1_ab12cd", "ok"), id="tool_call_id"
+        ),
+        pytest.param(assistant("x"), assistant("x", refusal="I can't"), id="refusal-text"),
+        pytest.param(
+            assistant("x"), assistant("x", annotations=[{"type": "url_citation"}]), id="annotations"
+        ),
+        pytest.param(
+            assistant("x"), assistant("x", reasoning_content="think"), id="reasoning-added"
+        ),
+        pytest.param(
+            assistant("x", reasoning_content="a"),
+            assistant("x", reasoning_content="b"),
+            id="reasoning-changed",
+        ),
+        pytest.param(
+            assistant("x", reasoning="a"), assistant("x", thinking="a"), id="reasoning-renamed"
+        ),
+        pytest.param(
+            assistant("x", thought_signature="c2lnMQ=="),
+            assistant("x", thought_signature="c2lnMg=="),
+            id="signature",
         ),
         pytest.param(user("hi"), user("hi", vendor_ext={"x": 1}), id="unknown-key"),
-        pytest.param(user("hi", vendor_ext={"x": 1}), user("hi", vendor_ext={"x": 2}), id="unknown-value"),
+        pytest.param(
+            user("hi", vendor_ext={"x": 1}), user("hi", vendor_ext={"x": 2}), id="unknown-value"
+        ),
         pytest.param(user(" "), user("."), id="blank-vs-text"),
     ],
 )
@@ -204,7 +268,11 @@ def test_tool_call_name_changed() -> None:
         pytest.param('{"n":1.0}', '{"n":1.00}', id="float-text"),
         pytest.param('{"n":1e2}', '{"n":100}', id="exponent"),
         pytest.param('{"n":12345678901234567890}', '{"n":12345678901234567891}', id="u64-edge"),
-        pytest.param('{"n":123456789012345678901234567890}', '{"n":123456789012345678901234567891}', id="bigint"),
+        pytest.param(
+            '{"n":123456789012345678901234567890}',
+            '{"n":123456789012345678901234567891}',
+            id="bigint",
+        ),
         pytest.param('{"a":1,"a":2}', '{"a":2}', id="duplicate-keys"),
         pytest.param('{"a":1,"a":2}', '{"a":2,"a":1}', id="duplicate-keys-order"),
         pytest.param('{"a":null}', "{}", id="null-member"),
@@ -228,7 +296,9 @@ def test_canonical_arguments_rules() -> None:
     assert canonical_arguments('{"n": 1.50, "m": -0}') == b'{"m":-0,"n":1.50}'
     assert canonical_arguments('{"a":1,"a":1}') == RAW_ARGUMENTS + b'{"a":1,"a":1}'
     assert canonical_arguments("not json") == RAW_ARGUMENTS + b"not json"
-    assert canonical_arguments("\ud800") == RAW_ARGUMENTS + "\ud800".encode("utf-8", "surrogatepass")
+    assert canonical_arguments("\ud800") == RAW_ARGUMENTS + "\ud800".encode(
+        "utf-8", "surrogatepass"
+    )
     deep = "[" * 400 + "]" * 400
     assert canonical_arguments(deep).startswith(RAW_ARGUMENTS)
 
@@ -276,7 +346,16 @@ def test_policy_rejects_bad_patterns() -> None:
 
 @pytest.mark.parametrize(
     "odd",
-    [None, "text", 42, [1, 2], {"role": 3}, {"content": {"nested": None}}, {"role": "user", "content": 2**80}, object()],
+    [
+        None,
+        "text",
+        42,
+        [1, 2],
+        {"role": 3},
+        {"content": {"nested": None}},
+        {"role": "user", "content": 2**80},
+        object(),
+    ],
 )
 def test_message_identity_never_raises(odd: Any) -> None:
     assert len(message_identity(odd)) == 16
@@ -287,7 +366,9 @@ def test_clean_messages_take_the_fast_path_with_the_same_identity() -> None:
     identity, size = identify_message(clean)
     assert size == len(orjson.dumps(clean))
     # the normalizing path reaches the same identity through a drifted form of it
-    drifted_identity, drifted_size = identify_message({"name": "alice", "content": [{"type": "text", "text": "hello "}], "role": "user"})
+    drifted_identity, drifted_size = identify_message(
+        {"name": "alice", "content": [{"type": "text", "text": "hello "}], "role": "user"}
+    )
     assert drifted_size == -1
     assert drifted_identity == identity
 

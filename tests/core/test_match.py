@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 
 import orjson
 
@@ -95,7 +96,12 @@ def _history_with_group() -> list[dict]:
     return [
         system("s"),
         user("two things"),
-        assistant(None, call("c1", "search", {"query": "a"}), call("c2", "search", {"query": "b"}), call("c3", "search", {"query": "c"})),
+        assistant(
+            None,
+            call("c1", "search", {"query": "a"}),
+            call("c2", "search", {"query": "b"}),
+            call("c3", "search", {"query": "c"}),
+        ),
         result("c1", "A"),
         result("c2", "B"),
         result("c3", "C"),
@@ -142,7 +148,12 @@ def test_collapse_drops_an_exact_replay_of_the_previous_message(store: DictStore
     assert t.match.order == (0, 1, 3, 4)
     assert t.match.matched == 4
     assert "duplicate_collapsed" in t.kinds()
-    assert [m["content"] for m in t.forwarded["messages"]] == ["s", "fix the bug", "Which bug?", "the crash"]
+    assert [m["content"] for m in t.forwarded["messages"]] == [
+        "s",
+        "fix the bug",
+        "Which bug?",
+        "the crash",
+    ]
 
 
 def test_collapse_is_opt_in(session: Session) -> None:
@@ -173,9 +184,11 @@ def test_new_nodes_chain_the_forwarded_elements_and_the_reply(session: Session) 
     t = session.turn(body, reply, partial=True)
     nodes = t.nodes
     assert [n.depth for n in nodes] == [0, 1, 2, 3]
-    assert nodes[0].body == b"[]" and nodes[0].role == ROLE_TOOLS and nodes[0].parent == session.root
+    assert (
+        nodes[0].body == b"[]" and nodes[0].role == ROLE_TOOLS and nodes[0].parent == session.root
+    )
     assert nodes[1].body == orjson.dumps(body["messages"][0])
-    assert all(child.parent == parent.key for parent, child in zip(nodes, nodes[1:], strict=False))
+    assert all(child.parent == parent.key for parent, child in itertools.pairwise(nodes))
     assert all(n.tenant == session.root for n in nodes)
     assert all(n.tokens == count_tokens(n.body) for n in nodes)
     last = nodes[-1]
@@ -195,7 +208,17 @@ def test_new_nodes_only_below_the_matched_prefix(session: Session) -> None:
         return 1
 
     m = session.look(make_chat(user("hi"), assistant("yo"), user("next"))).match
-    assert new_nodes(m, make_chat(user("hi"), assistant("yo"), user("next")), None, generated_partial=False, now=0.0, count_tokens=counting) == []
+    assert (
+        new_nodes(
+            m,
+            make_chat(user("hi"), assistant("yo"), user("next")),
+            None,
+            generated_partial=False,
+            now=0.0,
+            count_tokens=counting,
+        )
+        == []
+    )
     assert calls == []
 
 

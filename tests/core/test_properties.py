@@ -15,7 +15,18 @@ from hypothesis import strategies as st
 from proxy.core.identity import message_identity, single_text
 from proxy.core.match import tool_groups
 from proxy.core.policy import Policy
-from tests.core.factories import SEARCH, TOOLS, WEATHER, Session, assistant, call, make_chat, result, system, user
+from tests.core.factories import (
+    SEARCH,
+    TOOLS,
+    WEATHER,
+    Session,
+    assistant,
+    call,
+    make_chat,
+    result,
+    system,
+    user,
+)
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -26,10 +37,15 @@ json_values = st.recursive(
     | st.integers(-(10**6), 10**6)
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(alphabet=st.sampled_from('ab 北"\\\n'), max_size=6),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet="abcxyz", max_size=4), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(alphabet="abcxyz", max_size=4), inner, max_size=3)
+    ),
     max_leaves=8,
 )
-arguments = st.dictionaries(st.text(alphabet="abcdxyz", min_size=1, max_size=5), json_values, max_size=4)
+arguments = st.dictionaries(
+    st.text(alphabet="abcdxyz", min_size=1, max_size=5), json_values, max_size=4
+)
 EMPTY_FIELDS = ("refusal", "annotations", "audio", "function_call", "name")
 
 
@@ -45,7 +61,11 @@ def conversations(draw: Any) -> tuple[list[dict[str, Any]], Any]:
         if draw(st.booleans()):
             n = draw(st.integers(1, 3))
             calls = [
-                call(f"call_{t}_{j}", draw(st.sampled_from(["get_weather", "search"])), json.dumps(draw(arguments), ensure_ascii=False, separators=(",", ":")))
+                call(
+                    f"call_{t}_{j}",
+                    draw(st.sampled_from(["get_weather", "search"])),
+                    json.dumps(draw(arguments), ensure_ascii=False, separators=(",", ":")),
+                )
                 for j in range(n)
             ]
             msgs.append(assistant(draw(st.none() | texts), *calls))
@@ -69,7 +89,14 @@ def _set_text(msg: dict[str, Any], fn: Any) -> None:
 
 def safe_drift(draw: Any, msg: dict[str, Any]) -> dict[str, Any]:
     m = copy.deepcopy(msg)
-    ops = draw(st.lists(st.sampled_from(["reorder", "empty", "ws", "strip", "parts", "cc", "calls", "args", "index", "null"]), max_size=5))
+    ops = draw(
+        st.lists(
+            st.sampled_from(
+                ["reorder", "empty", "ws", "strip", "parts", "cc", "calls", "args", "index", "null"]
+            ),
+            max_size=5,
+        )
+    )
     for op in ops:
         if op == "reorder":
             m = dict(reversed(list(m.items())))
@@ -78,7 +105,10 @@ def safe_drift(draw: Any, msg: dict[str, Any]) -> dict[str, Any]:
             if field not in m:
                 m[field] = draw(st.sampled_from([None, [], ""]))
         elif op == "ws":
-            lead, trail = draw(st.sampled_from(["", " ", "\n"])), draw(st.sampled_from(["", "\n", "  \n"]))
+            lead, trail = (
+                draw(st.sampled_from(["", " ", "\n"])),
+                draw(st.sampled_from(["", "\n", "  \n"])),
+            )
             _set_text(m, lambda s, lead=lead, trail=trail: lead + s + trail)
         elif op == "strip":
             _set_text(m, str.strip)
@@ -96,10 +126,16 @@ def safe_drift(draw: Any, msg: dict[str, Any]) -> dict[str, Any]:
         elif op == "calls" and m.get("tool_calls"):
             m["tool_calls"] = list(reversed(m["tool_calls"]))
         elif op == "args" and m.get("tool_calls"):
-            ascii_, indent, sort = draw(st.booleans()), draw(st.sampled_from([None, 2])), draw(st.booleans())
+            ascii_, indent, sort = (
+                draw(st.booleans()),
+                draw(st.sampled_from([None, 2])),
+                draw(st.booleans()),
+            )
             for c in m["tool_calls"]:
                 value = json.loads(c["function"]["arguments"])
-                c["function"]["arguments"] = json.dumps(value, ensure_ascii=ascii_, indent=indent, sort_keys=sort)
+                c["function"]["arguments"] = json.dumps(
+                    value, ensure_ascii=ascii_, indent=indent, sort_keys=sort
+                )
         elif op == "index" and m.get("tool_calls"):
             m["tool_calls"] = [{**c, "index": i} for i, c in enumerate(m["tool_calls"])]
         elif op == "null" and m.get("tool_calls") and not m.get("content"):
@@ -118,9 +154,20 @@ def token_view(msg: Any) -> bytes:
     """The token-bearing values of a message, serialized: role, texts, and calls in order."""
     content = msg.get("content")
     text = single_text(content)
-    texts_ = text if text is not None else [p.get("text") for p in content] if type(content) is list else None
-    calls = [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls") or []]
-    return orjson.dumps([msg.get("role"), texts_ if texts_ != "" else None, calls, msg.get("tool_call_id")])
+    texts_ = (
+        text
+        if text is not None
+        else [p.get("text") for p in content]
+        if type(content) is list
+        else None
+    )
+    calls = [
+        (c["id"], c["function"]["name"], c["function"]["arguments"])
+        for c in msg.get("tool_calls") or []
+    ]
+    return orjson.dumps(
+        [msg.get("role"), texts_ if texts_ != "" else None, calls, msg.get("tool_call_id")]
+    )
 
 
 # -- properties ------------------------------------------------------------------------------
@@ -138,7 +185,9 @@ def test_safe_drifts_match_fully_and_repair_to_the_stored_bytes(data: Any, convo
     if tools:
         drifted_tools = data.draw(st.permutations(tools))
         if data.draw(st.booleans()):
-            drifted_tools = [orjson.loads(orjson.dumps(d, option=orjson.OPT_SORT_KEYS)) for d in drifted_tools]
+            drifted_tools = [
+                orjson.loads(orjson.dumps(d, option=orjson.OPT_SORT_KEYS)) for d in drifted_tools
+            ]
     t = s.look(make_chat(*drifted, tools=drifted_tools))
 
     assert t.match.complete
@@ -152,7 +201,9 @@ def test_safe_drifts_match_fully_and_repair_to_the_stored_bytes(data: Any, convo
     for p, r in enumerate(t.match.order):
         assert set(sent[p]) == set(drifted[r])
     if tools:
-        sent_tools = [{k: v for k, v in d.items() if k != "cache_control"} for d in t.forwarded["tools"]]
+        sent_tools = [
+            {k: v for k, v in d.items() if k != "cache_control"} for d in t.forwarded["tools"]
+        ]
         assert orjson.dumps(sent_tools) == t.match.nodes[0].body
     # a second look at the repaired body needs no repair at all
     again = s.look(t.forwarded)
@@ -184,7 +235,10 @@ def semantic_edit(draw: Any, msg: dict[str, Any]) -> dict[str, Any]:
         m["tool_calls"][0] = {**m["tool_calls"][0], "id": "regenerated"}
     else:
         f = m["tool_calls"][0]["function"]
-        m["tool_calls"][0] = {**m["tool_calls"][0], "function": {**f, "arguments": '{"wrapped":' + f["arguments"] + "}"}}
+        m["tool_calls"][0] = {
+            **m["tool_calls"][0],
+            "function": {**f, "arguments": '{"wrapped":' + f["arguments"] + "}"},
+        }
     return m
 
 
@@ -195,13 +249,19 @@ def test_semantic_edits_are_never_rewritten_and_always_reported(data: Any, convo
     s = Session()
     s.turn(make_chat(*msgs, tools=tools), None)
     i = data.draw(st.integers(0, len(msgs) - 1))
-    edited = [safe_drift(data.draw, m) for m in msgs[:i]] + [semantic_edit(data.draw, msgs[i])] + msgs[i + 1 :]
+    edited = (
+        [safe_drift(data.draw, m) for m in msgs[:i]]
+        + [semantic_edit(data.draw, msgs[i])]
+        + msgs[i + 1 :]
+    )
     t = s.look(make_chat(*edited, tools=tools))
 
     assert t.match.matched == i + 1
     assert all(r.depth <= i for r in t.plan.repairs)
     sent = t.forwarded["messages"]
-    assert orjson.dumps(sent[i:]) == orjson.dumps(edited[i:]), "the edited message and all after it go as sent"
+    assert orjson.dumps(sent[i:]) == orjson.dumps(edited[i:]), (
+        "the edited message and all after it go as sent"
+    )
     assert t.brk is not None and t.brk.depth == i + 1
     assert t.brk.reason != "new_branch"
 
@@ -223,7 +283,9 @@ def test_tool_groups_stay_whole(data: Any, convo: Any, collapse: bool) -> None:
     position = {r: p for p, r in enumerate(t.match.order)}
     for start, end in groups.items():
         spots = sorted(position[r] for r in range(start, end))
-        assert spots == list(range(spots[0], spots[0] + end - start)), "a group is never split or thinned"
+        assert spots == list(range(spots[0], spots[0] + end - start)), (
+            "a group is never split or thinned"
+        )
         moved = [t.match.order[p] for p in spots]
         if moved != list(range(start, end)):
             # a group is only ever put back in the order the store holds, as a whole

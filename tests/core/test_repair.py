@@ -33,7 +33,9 @@ def messages_of(t: Any) -> list[dict[str, Any]]:
 def test_no_drift_forwards_the_clients_bytes(session: Session) -> None:
     body = make_chat(system("s"), user("hi"), tools=TOOLS)
     session.turn(body, assistant("Hello!\n"))
-    t = session.look(make_chat(system("s"), user("hi"), assistant("Hello!\n"), user("next"), tools=TOOLS))
+    t = session.look(
+        make_chat(system("s"), user("hi"), assistant("Hello!\n"), user("next"), tools=TOOLS)
+    )
     assert t.match.matched == 4
     assert t.plan.body is None and t.plan.repairs == () and t.plan.rescued_tokens == 0
 
@@ -62,19 +64,25 @@ def test_repair_keeps_the_clients_other_keys(session: Session) -> None:
     fixed = messages_of(t)[0]
     assert list(fixed) == list(echoed), "key order and keys as the client sent them"
     assert list(fixed["x_vendor"]) == ["n", "trace"] and fixed["name"] is None
-    assert fixed["content"] == [{"type": "text", "text": "  hello\n", "cache_control": {"type": "ephemeral"}}]
+    assert fixed["content"] == [
+        {"type": "text", "text": "  hello\n", "cache_control": {"type": "ephemeral"}}
+    ]
     assert t.kinds() == ["whitespace"]
 
 
 def test_a_reply_echoed_with_an_unknown_key_is_not_the_same_message(session: Session) -> None:
     session.turn(make_chat(user("hello")), assistant("Hi."))
-    t = session.look(make_chat(user("hello"), assistant("Hi.", x_plugin={"seen": True}), user("bye")))
+    t = session.look(
+        make_chat(user("hello"), assistant("Hi.", x_plugin={"seen": True}), user("bye"))
+    )
     assert t.match.matched == 2
     assert t.plan.body is None
 
 
 def test_string_and_one_part_forms_are_not_rewritten(session: Session) -> None:
-    session.turn(make_chat({"role": "user", "content": [{"type": "text", "text": "hello"}]}), assistant("hi"))
+    session.turn(
+        make_chat({"role": "user", "content": [{"type": "text", "text": "hello"}]}), assistant("hi")
+    )
     # same text, other form, no cache_control: nothing to restore, the form does not change tokens
     t = session.look(make_chat(user("hello"), assistant("hi"), user("next")))
     assert t.match.matched == 3
@@ -82,7 +90,10 @@ def test_string_and_one_part_forms_are_not_rewritten(session: Session) -> None:
 
 
 def test_list_with_cache_control_to_string_keeps_the_string(session: Session) -> None:
-    first = {"role": "user", "content": [{"type": "text", "text": "hello\n", "cache_control": {"type": "ephemeral"}}]}
+    first = {
+        "role": "user",
+        "content": [{"type": "text", "text": "hello\n", "cache_control": {"type": "ephemeral"}}],
+    }
     session.turn(make_chat(first), assistant("hi"))
     t = session.look(make_chat(user("hello"), assistant("hi"), user("next")))
     assert messages_of(t)[0] == {"role": "user", "content": "hello\n"}
@@ -98,18 +109,38 @@ def test_arguments_and_call_order_restored_with_client_keys(session: Session) ->
     session.turn(make_chat(user("go")), generated)
     echoed = assistant(
         "",
-        {"index": 1, "id": "call_2", "type": "function", "function": {"name": "search", "arguments": json.dumps({"limit": 3, "query": "rain"})}},
-        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "北京", "days": 1})}},
+        {
+            "index": 1,
+            "id": "call_2",
+            "type": "function",
+            "function": {"name": "search", "arguments": json.dumps({"limit": 3, "query": "rain"})},
+        },
+        {
+            "index": 0,
+            "id": "call_1",
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "arguments": json.dumps({"city": "北京", "days": 1}),
+            },
+        },
     )
-    t = session.look(make_chat(user("go"), echoed, result("call_1", "sunny"), result("call_2", "wet")))
+    t = session.look(
+        make_chat(user("go"), echoed, result("call_1", "sunny"), result("call_2", "wet"))
+    )
     assert t.match.matched == 3
     assert sorted(t.kinds()) == ["arguments", "tool_calls_order"]
     fixed = messages_of(t)[1]
     assert [c["id"] for c in fixed["tool_calls"]] == ["call_1", "call_2"]
-    assert [c["function"]["arguments"] for c in fixed["tool_calls"]] == ['{"city":"北京","days":1}', '{"query":"rain","limit":3}']
+    assert [c["function"]["arguments"] for c in fixed["tool_calls"]] == [
+        '{"city":"北京","days":1}',
+        '{"query":"rain","limit":3}',
+    ]
     assert [c["index"] for c in fixed["tool_calls"]] == [0, 1], "the client's transport keys stay"
     assert fixed["content"] == "", "the client's content form stays"
-    assert messages_of(t)[2:] == [result("call_1", "sunny"), result("call_2", "wet")], "past the prefix: as sent"
+    assert messages_of(t)[2:] == [result("call_1", "sunny"), result("call_2", "wet")], (
+        "past the prefix: as sent"
+    )
 
 
 def test_tools_order_restored(session: Session) -> None:
@@ -158,7 +189,14 @@ def test_final_prefill_with_only_trailing_drift_is_left_alone(session: Session) 
 
 def test_nothing_past_the_prefix_is_touched(session: Session) -> None:
     session.turn(make_chat(system("s "), user("a")), assistant("b\n"))
-    later = [system("s"), user("a"), assistant("b"), user("  c  "), assistant("d ", refusal=None), user("e\n")]
+    later = [
+        system("s"),
+        user("a"),
+        assistant("b"),
+        user("  c  "),
+        assistant("d ", refusal=None),
+        user("e\n"),
+    ]
     t = session.look(make_chat(*later))
     assert t.match.matched == 4
     assert [r.depth for r in t.plan.repairs] == [1, 3]
@@ -192,17 +230,32 @@ def test_tool_results_order_restored_as_a_group(session: Session) -> None:
 def test_pinned_span_restored_to_the_first_seen_value(store: DictStore) -> None:
     policy = Policy.build(True, False, {"system": [r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z"]})
     s = Session(store=store, policy=policy)
-    s.turn(make_chat(system("Now: 2026-11-03T10:00:00Z. Be brief."), user("hi")), assistant("hello"))
-    t = s.look(make_chat(system("Now: 2026-11-03T11:42:07Z. Be brief."), user("hi"), assistant("hello"), user("more")))
+    s.turn(
+        make_chat(system("Now: 2026-11-03T10:00:00Z. Be brief."), user("hi")), assistant("hello")
+    )
+    t = s.look(
+        make_chat(
+            system("Now: 2026-11-03T11:42:07Z. Be brief."),
+            user("hi"),
+            assistant("hello"),
+            user("more"),
+        )
+    )
     assert t.match.matched == 4
     assert t.kinds() == ["pinned"]
     assert messages_of(t)[0]["content"] == "Now: 2026-11-03T10:00:00Z. Be brief."
 
 
 def test_multi_part_content_texts_restored(session: Session) -> None:
-    parts = [{"type": "text", "text": "look:\n"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]
+    parts = [
+        {"type": "text", "text": "look:\n"},
+        {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+    ]
     session.turn(make_chat({"role": "user", "content": parts}), assistant("a cat"))
-    drifted = [{"type": "text", "text": "look:", "cache_control": {"type": "ephemeral"}}, {"image_url": {"url": "https://x/y.png"}, "type": "image_url"}]
+    drifted = [
+        {"type": "text", "text": "look:", "cache_control": {"type": "ephemeral"}},
+        {"image_url": {"url": "https://x/y.png"}, "type": "image_url"},
+    ]
     t = session.look(make_chat({"role": "user", "content": drifted}, assistant("a cat"), user("?")))
     assert t.kinds() == ["content_parts"]
     sent = messages_of(t)[0]["content"]

@@ -82,7 +82,7 @@ class Recorder:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             try:
-                for i in range(10_000):
+                for _i in range(10_000):
                     await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
                     await asyncio.sleep(0.01)
             except (ConnectionResetError, asyncio.CancelledError):
@@ -161,7 +161,7 @@ async def test_client_disconnect_cancels_upstream(make_proxy: ProxyFactory, reco
 
 
 async def test_gzip_upstream_is_decoded(make_proxy: ProxyFactory, recorder: tuple[Recorder, TestServer]) -> None:
-    rec, upstream = recorder
+    _rec, upstream = recorder
     proxy = await make_proxy(str(upstream.make_url("/v1")))
     status, headers, body = await post(proxy, "/v1/anything", b"{}", **{"x-mode": "gzip"})
     assert status == 200

@@ -85,7 +85,7 @@ async def test_stream_reset_mid_way_surfaces_as_the_same_error(proxy: TestServer
             model="gpt-4o-mini", messages=MESSAGES, stream=True, extra_headers={"x-sim-fault": "reset_after=2"}
         )
         got = 0
-        with pytest.raises(Exception) as info:  # noqa: B017 - the class is compared below
+        with pytest.raises(Exception) as info:
             async for _ in stream:
                 got += 1
         raised.append((type(info.value), got))

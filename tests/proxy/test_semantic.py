@@ -45,7 +45,7 @@ async def two_turns(
     if tools is not None:
         body["tools"] = tools
     response, _, _ = await send(proxy, body, **headers)
-    history = copy.deepcopy(first) + [reply_of(response)]
+    history = [*copy.deepcopy(first), reply_of(response)]
     if history[-1].get("tool_calls"):
         history += [{"role": "tool", "tool_call_id": c["id"], "content": f"result {i}\n"} for i, c in enumerate(history[-1]["tool_calls"])]
     else:
