@@ -330,7 +330,7 @@ class Pipeline:
             cost_usd=(ex.cost.usd or 0.0) if ex.cost else 0.0,
             billed=bool(ex.cost and ex.cost.billed),
             repaired=len(ex.plan.repairs) if ex.plan else 0,
-            last_break=ex.brk.reason if ex.brk else "",
+            last_break=ex.brk.reason if ex.brk and ex.brk.reason != "new_branch" else "",
             model=ex.model,
             created=now,
             updated=now,
