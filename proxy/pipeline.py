@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -215,7 +216,7 @@ class Pipeline:
         if is_event_stream(upstream):
             assembler = ReplyAssembler()
 
-            def on_event(event: SSEEvent) -> bool:
+            def on_event(event: SSEEvent) -> bool | bytes:
                 return self.observe_event(ex, assembler, event)
 
             async def finish(outcome: RelayOutcome) -> None:
@@ -254,7 +255,7 @@ class Pipeline:
             log.debug("response body is not a chat completion", exc_info=True)
             self.metrics.error("usage")
 
-    def observe_event(self, ex: Exchange, assembler: ReplyAssembler, event: SSEEvent) -> bool:
+    def observe_event(self, ex: Exchange, assembler: ReplyAssembler, event: SSEEvent) -> bool | bytes:
         """Feed one SSE event to the observers; False hides it from the client."""
         if ex.body is None or event.data is None or event.data == DONE:
             if event.data == DONE:
@@ -273,7 +274,15 @@ class Pipeline:
             log.exception("observing a stream chunk failed")
             self.metrics.error("usage")
             return True
-        return not (ex.usage_injected and is_usage_only_chunk(chunk))
+        if not ex.usage_injected:
+            return True
+        if is_usage_only_chunk(chunk):
+            return False
+        if "usage" in chunk and chunk["usage"] is None:
+            # include_usage makes OpenAI-style upstreams add "usage": null to every chunk; the
+            # client did not ask for it, so it gets the event as it would have been without.
+            return _without_null_usage(event.raw, chunk)
+        return True
 
     # -- after the response -----------------------------------------------------------------
 
@@ -364,7 +373,7 @@ class Pipeline:
                 "chat model=%s status=%s stream=%s prompt=%s cached=%s hit=%s repaired=%d break=%s cost=%s duration=%.3fs%s",
                 ex.model or "-", ex.status, ex.stream, prompt, cached, hit,
                 len(ex.plan.repairs) if ex.plan else 0,
-                ex.brk.reason if ex.brk else "-", cost, duration,
+                ex.brk.reason if ex.brk and ex.brk.reason != "new_branch" else "-", cost, duration,
                 f" failed_open={','.join(ex.failed)}" if ex.failed else "",
             )
         if log.isEnabledFor(logging.DEBUG):
@@ -403,9 +412,29 @@ class Pipeline:
         return headers
 
 
+_NULL_USAGE = re.compile(rb',[ \t]*"usage"[ \t]*:[ \t]*null(?=[ \t]*[,}])|"usage"[ \t]*:[ \t]*null[ \t]*,[ \t]*')
+
+
+def _without_null_usage(raw: bytes, chunk: dict[str, Any]) -> bytes | bool:
+    """``raw`` minus its top-level ``"usage": null`` member, the rest byte for byte; True (as is) if unsure."""
+    stripped, n = _NULL_USAGE.subn(b"", raw, count=1)
+    if n != 1:
+        return True
+    data = b"\n".join(line[5:].lstrip(b" ") for line in stripped.splitlines() if line.startswith(b"data:"))
+    try:
+        ok = orjson.loads(data) == {k: v for k, v in chunk.items() if k != "usage"}
+    except orjson.JSONDecodeError:
+        ok = False
+    return stripped if ok else True
+
+
 def _has_output(message: Mapping[str, Any]) -> bool:
     return bool(message.get("content") or message.get("tool_calls") or message.get("reasoning_content"))
 
 
+_CONTROL = {i: f"\\x{i:02x}" for i in (*range(32), 127)}
+
+
 def _ascii(text: str) -> str:
-    return text.encode("ascii", "backslashreplace").decode("ascii")[:1000]
+    """A header-safe value: non-ASCII and control characters (CR, LF, TAB, ...) escaped."""
+    return text.encode("ascii", "backslashreplace").decode("ascii").translate(_CONTROL)[:1000]

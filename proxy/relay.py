@@ -47,7 +47,7 @@ async def relay_events(
     upstream: aiohttp.ClientResponse,
     sender: UpstreamSender,
     extra_headers: dict[str, str],
-    on_event: Callable[[SSEEvent], bool],
+    on_event: Callable[[SSEEvent], bool | bytes],
     finish: Callable[[RelayOutcome], Awaitable[None]],
 ) -> web.StreamResponse:
     """Relay an SSE stream; ``on_event`` returns False to keep an event from the client."""
@@ -69,12 +69,14 @@ async def relay_events(
             if events:
                 keep = []
                 for event in events:
-                    if not on_event(event):
+                    verdict = on_event(event)
+                    if verdict is False:
                         continue
+                    raw = verdict if isinstance(verdict, bytes) else event.raw
                     if event.data == DONE:
-                        held.append(event.raw)
+                        held.append(raw)
                     else:
-                        keep.append(event.raw)
+                        keep.append(raw)
                 if keep:
                     await out.write(b"".join(keep) if len(keep) > 1 else keep[0])
             if not chunk:
