@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from . import __version__
+from .admin import add_admin_routes
+from .appkeys import METRICS, PIPELINE, PRICES, READY, REGISTRY, SETTINGS, STORE
 from .config import Settings
 from .core.pricing import PriceTable
 from .errors import ProxyError
@@ -33,13 +35,6 @@ from .upstream import Upstream
 
 log = logging.getLogger(__name__)
 
-SETTINGS = web.AppKey("settings", Settings)
-REGISTRY = web.AppKey("registry", CollectorRegistry)
-METRICS = web.AppKey("metrics", ProxyMetrics)
-STORE = web.AppKey("store", TranscriptStore)
-PRICES = web.AppKey("prices", PriceTable)
-PIPELINE = web.AppKey("pipeline", Pipeline)
-READY = web.AppKey("ready", asyncio.Event)
 
 MAINTENANCE_INTERVAL = 15.0
 
@@ -93,18 +88,10 @@ def create_app(
     app.router.add_get("/readyz", readyz)
     if settings.metrics.enabled:
         app.router.add_get(settings.metrics.path, metrics_endpoint)
-    _add_admin(app)
+    add_admin_routes(app)
     app.router.add_route("*", "/v1/{tail:.*}", proxy_handler)
     app.router.add_route("*", "/v1", proxy_handler)
     return app
-
-
-def _add_admin(app: web.Application) -> None:
-    try:
-        from .admin import add_admin_routes
-    except ImportError:
-        return
-    add_admin_routes(app)
 
 
 async def _resources(app: web.Application) -> AsyncIterator[None]:

@@ -8,7 +8,11 @@
      │    └── CorruptEntry              a stored node or blob failed to decode or verify
      ├── TranscriptFormatError (ValueError)
      │                                  a Markdown transcript is malformed; names the line
+     ├── ImportRefused                  a well-formed transcript this store cannot use
      └── ProxyError                     a request cannot be served; becomes an OpenAI-style body
+          ├── AdminBadRequest           400  (admin API parameters)
+          ├── AdminUnauthorized         401  (admin API without a valid credential)
+          ├── SessionNotFound           404  (admin API)
           ├── BodyTooLarge              413
           ├── UpstreamUnreachable       502
           └── UpstreamTimeout           504
@@ -52,6 +56,10 @@ class TranscriptFormatError(KvwarmError, ValueError):
         self.problem = problem
 
 
+class ImportRefused(KvwarmError):
+    """A well-formed transcript that this store cannot use (exported under another server secret)."""
+
+
 class ProxyError(KvwarmError):
     """A request cannot be served by kvwarm itself."""
 
@@ -76,3 +84,21 @@ class UpstreamTimeout(ProxyError):
     status = 504
     error_type = "upstream_error"
     code = "upstream_timeout"
+
+
+class AdminBadRequest(ProxyError):
+    status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_parameter"
+
+
+class AdminUnauthorized(ProxyError):
+    status = 401
+    error_type = "invalid_request_error"
+    code = "unauthorized"
+
+
+class SessionNotFound(ProxyError):
+    status = 404
+    error_type = "invalid_request_error"
+    code = "session_not_found"

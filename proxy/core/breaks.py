@@ -1,23 +1,24 @@
 """Prefix-break diagnosis: why a request left the stored tree.
 
 The request left the tree at element ``k = match.matched``. Element ``k`` is compared
-with the stored children of element ``k - 1`` and the break is classified, first
-match wins:
+with the stored children of element ``k - 1`` and the break is classified; the first
+rule that holds wins:
 
-===================  ===============================================================
-``new_branch``       node ``k-1`` has no stored child (or the tenant has nothing
-                     stored): a genuinely new turn, not a break; also when no stored
-                     child has the role of element ``k`` (the client went on without it)
-``tools_changed``    ``k == 0``: the tool set or a definition changed
-``duplicate_replay`` element ``k`` repeats element ``k-1``
-``reasoning_changed`` the same message but its reasoning added, dropped or changed
-``message_removed``  element ``k`` is a stored grandchild (the request skipped one)
-``message_inserted`` element ``k+1`` is a stored child (the request added one)
-``truncated_head``   element ``k`` (and the next) continue a stored chain deeper down
-``system_changed``   a system / developer message whose text changed
-``assistant_modified`` the stored child is a generated reply and the client sent another
-``content_changed``  a stored child with the same role differs
-===================  ===============================================================
+1. ``new_branch`` -- node ``k-1`` has no stored child (or the tenant has nothing stored):
+   a genuinely new turn, not a break;
+2. ``tools_changed`` -- ``k == 0``: the tool set or a definition changed;
+3. ``duplicate_replay`` -- element ``k`` repeats element ``k-1``;
+4. ``reasoning_changed`` -- a stored child is the same message but for its reasoning
+   (added, dropped or changed);
+5. ``message_removed`` -- element ``k`` is a stored grandchild (the request skipped one);
+6. ``message_inserted`` -- element ``k+1`` is a stored child (the request added one);
+7. ``truncated_head`` -- element ``k`` (and ``k+1``) continue a stored chain deeper down;
+8. ``new_branch`` -- no stored child has the role of element ``k`` (the client went on
+   without it), or element ``k`` is a user message that ends the request: a new task under
+   a shared system prompt, an edited last prompt -- nothing after it could have been cached;
+9. ``system_changed`` -- a system / developer message whose text changed;
+10. ``assistant_modified`` -- the stored child is a generated reply and the client sent another;
+11. ``content_changed`` -- a stored child with the same role differs.
 
 For ``content_changed``, ``system_changed`` and ``tools_changed`` the first differing
 span is located (common prefix / suffix, widened to the whole token around it) and
@@ -340,7 +341,9 @@ def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break 
     if _continues_deeper(store, match, k, store.by_identity(match.root, ident)):
         return Break("truncated_head", k, None)
 
-    if not same_role:
+    if not same_role or (role == "user" and k == len(match.keys) - 1):
+        # Nothing of its kind stored here, or a new user turn at the end of the request: whatever
+        # its siblings say, nothing after it could have been cached. A new turn, not a break.
         return Break("new_branch", k, None)
 
     if kind == "system":

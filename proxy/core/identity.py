@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -41,6 +41,7 @@ __all__ = [
     "canonical_arguments",
     "canonical_tool_call",
     "identify_message",
+    "identify_messages",
     "message_identity",
     "tools_identity",
 ]
@@ -103,6 +104,30 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+_NOT_LOSSLESS: Any = object()
+
+
+def _lossless(arguments: str) -> Any:
+    """``arguments`` parsed by orjson when that loses nothing, else ``_NOT_LOSSLESS``.
+
+    orjson loses number text and duplicate keys, so it is trusted only when its compact
+    output is the input itself, or the input with spaces after "," / ":" (Python's json.dumps
+    style): then every number token and every key of the input is in the output, unchanged.
+    A removed space that sat inside a string makes the comparison fail (the safe direction).
+    """
+    try:
+        raw = arguments.encode()
+        value = orjson.loads(raw)
+        compact = orjson.dumps(value)
+    except (UnicodeEncodeError, orjson.JSONDecodeError, TypeError):  # TypeError: nested too deep
+        return _NOT_LOSSLESS
+    if compact == raw or (
+        len(raw) > len(compact) and raw.replace(b", ", b",").replace(b": ", b":") == compact
+    ):
+        return value
+    return _NOT_LOSSLESS
+
+
 def canonical_arguments(arguments: str) -> bytes:
     """The comparison key of a tool-call ``arguments`` string.
 
@@ -111,18 +136,10 @@ def canonical_arguments(arguments: str) -> bytes:
     ``1.0`` and ``1e0`` differ, big integers stay exact). Duplicate keys, NaN/Infinity or
     anything unparseable give ``RAW_ARGUMENTS + the raw UTF-8``: compared exactly.
     """
-    try:
-        raw = arguments.encode()
-    except UnicodeEncodeError:
-        return RAW_ARGUMENTS + arguments.encode("utf-8", "surrogatepass")
-    try:
-        # orjson loses number text and duplicate keys, so trust it only when it reproduces the
-        # input byte for byte: then every number was written as orjson writes it and no key repeated.
-        value = orjson.loads(raw)
-        if orjson.dumps(value) == raw:
-            return orjson.dumps(value, option=_SORT)
-    except (orjson.JSONDecodeError, TypeError):  # invalid, or nested deeper than orjson writes
-        pass
+    value = _lossless(arguments)
+    if value is not _NOT_LOSSLESS:
+        return orjson.dumps(value, option=_SORT)
+    raw = arguments.encode("utf-8", "surrogatepass")
     try:
         value = json.loads(
             arguments,
@@ -205,18 +222,21 @@ def _canon_content(content: Any, pins: tuple[re.Pattern[str], ...]) -> Any:
 def _canon_function(function: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, x in function.items():
-        if k == "cache_control" or _empty(x):
-            continue
-        if k == "arguments" and type(x) is str:
-            key = canonical_arguments(x)
-            if key[:1] == RAW_ARGUMENTS:
-                out[_RAW_ARGS_KEY] = x
+        if type(x) is str:  # the common case, kept free of calls
+            if not x:
+                continue
+            if k == "arguments":
+                key = canonical_arguments(x)
+                if key[:1] == RAW_ARGUMENTS:
+                    out[_RAW_ARGS_KEY] = x
+                else:
+                    out[k] = orjson.Fragment(key)
             else:
-                out[k] = orjson.Fragment(key)
-            continue
-        x = _canon_value(x)
-        if not _empty(x):
-            out[k] = x
+                out[k] = x
+        elif x is not None and k != "cache_control":
+            x = _canon_value(x)
+            if not _empty(x):
+                out[k] = x
     return out
 
 
@@ -227,9 +247,16 @@ def _canon_call(call: Any) -> Any:
     for k, x in call.items():
         if k == "index" or k == "cache_control":
             continue
-        x = _canon_function(x) if k == "function" and type(x) is dict else _canon_value(x)
-        if not _empty(x):
-            out[k] = x
+        t = type(x)
+        if t is str:
+            if x:
+                out[k] = x
+        elif t is dict and k == "function":
+            out[k] = _canon_function(x)
+        elif x is not None:
+            x = _canon_value(x)
+            if not _empty(x):
+                out[k] = x
     return out
 
 
@@ -238,11 +265,63 @@ def canonical_tool_call(call: Any) -> bytes:
     return _dump_any(_canon_call(call))
 
 
+def _call_id(call: Any) -> str:
+    if type(call) is dict:
+        call_id = call.get("id")
+        if type(call_id) is str:
+            return call_id
+    return ""
+
+
+def _plain_calls(calls: list[Any]) -> list[dict[str, Any]] | None:
+    """The canonical ``tool_calls`` of the shape every client sends -- ``{id, type, function: {name,
+    arguments}}`` with distinct ids and arguments orjson reads losslessly -- built without the
+    generic walk. Byte for byte what the generic path gives (sorted by id, which is distinct)."""
+    out: list[dict[str, Any]] = []
+    for call in calls:
+        try:
+            function = call["function"]
+            call_id = call["id"]
+            kind = call["type"]
+            name = function["name"]
+            args = function["arguments"]
+        except (KeyError, TypeError, IndexError):
+            return None
+        if (
+            type(call_id) is not str
+            or type(kind) is not str
+            or type(name) is not str
+            or type(args) is not str
+            or not (call_id and kind and name and args)
+            or len(function) != 2
+            or len(call) != (4 if "index" in call else 3)
+        ):
+            return None
+        value = _lossless(args)
+        if value is _NOT_LOSSLESS:
+            return None
+        out.append({"function": {"arguments": value, "name": name}, "id": call_id, "type": kind})
+    if len(out) > 1:
+        out.sort(key=_by_id)
+        if len({c["id"] for c in out}) != len(out):
+            return None
+    return out
+
+
+def _by_id(call: dict[str, Any]) -> str:
+    return call["id"]  # type: ignore[no-any-return]
+
+
 def _canon_tool_calls(calls: Any) -> Any:
     if type(calls) is not list:
         return _canon_value(calls)
-    keys = sorted(canonical_tool_call(c) for c in calls)
-    return [orjson.Fragment(k) for k in keys]
+    plain = _plain_calls(calls)
+    if plain is not None:
+        return plain
+    # Order-blind: sorted by call id, then by the canonical call.
+    keys = [(_call_id(c), canonical_tool_call(c)) for c in calls]
+    keys.sort()
+    return [orjson.Fragment(k) for _id, k in keys]
 
 
 def canonical_message(msg: Mapping[str, Any], policy: Policy | None = None) -> dict[str, Any]:
@@ -250,13 +329,18 @@ def canonical_message(msg: Mapping[str, Any], policy: Policy | None = None) -> d
     pins = policy.pins(msg.get("role")) if policy is not None else ()
     out: dict[str, Any] = {}
     for k, v in msg.items():
-        if k == "cache_control":
+        t = type(v)
+        if t is str and k != "content":
+            if v:
+                out[k] = v
+            continue
+        if v is None or k == "cache_control":
             continue
         if k == "content":
             v = _canon_content(v, pins)
         elif k == "tool_calls":
             v = _canon_tool_calls(v)
-        elif type(v) is dict or type(v) is list:
+        elif t is dict or t is list:
             v = _canon_value(v)
         if not _empty(v):
             out[k] = v
@@ -280,18 +364,66 @@ def _is_clean(msg: dict[str, Any]) -> bool:
 # -- identities ------------------------------------------------------------------------------
 
 
+def identify_messages(
+    messages: Sequence[Any], policy: Policy | None = None
+) -> tuple[list[bytes], list[int]]:
+    """Identities of ``messages`` and their clean sizes (see :func:`identify_message`), in one pass.
+
+    The loop is the hot path of every request, so the common shapes are handled inline:
+    a clean message is hashed from ``orjson.dumps(msg, OPT_SORT_KEYS)``; one whose only
+    drift-prone field is edge whitespace of a string ``content`` from the same with the
+    content stripped. Both give exactly the bytes :func:`canonical_message` would.
+    """
+    ids: list[bytes] = []
+    sizes: list[int] = []
+    pinned = policy if policy is not None and policy.pin_patterns else None
+    dumps = orjson.dumps
+    blake2b = hashlib.blake2b
+    for msg in messages:
+        if (
+            type(msg) is dict
+            and "cache_control" not in msg
+            and not (pinned is not None and pinned.pins(msg.get("role")))
+        ):
+            padded = False
+            for k, v in msg.items():
+                t = type(v)
+                if t is str:
+                    if not v:
+                        break
+                    if k == "content" and (v[0].isspace() or v[-1].isspace()):
+                        padded = True
+                elif t is not int and t is not float and t is not bool:
+                    break
+            else:
+                try:
+                    if not padded:
+                        data = dumps(msg, option=_SORT)
+                        ids.append(blake2b(data, digest_size=16, person=_MSG_PERSON).digest())
+                        sizes.append(len(data))
+                        continue
+                    stripped = msg["content"].strip()
+                    if stripped:
+                        data = dumps({**msg, "content": stripped}, option=_SORT)
+                        ids.append(blake2b(data, digest_size=16, person=_MSG_PERSON).digest())
+                        sizes.append(-1)
+                        continue
+                except TypeError:
+                    pass
+        ids.append(
+            _digest(
+                _dump_any(canonical_message(msg, policy) if type(msg) is dict else msg), _MSG_PERSON
+            )
+        )
+        sizes.append(-1)
+    return ids, sizes
+
+
 def identify_message(msg: Any, policy: Policy | None = None) -> tuple[bytes, int]:
     """``(identity, clean_size)``: ``clean_size`` is ``len(orjson.dumps(msg))`` when the message
     needed no normalization (its bytes are its canonical form up to key order), else -1."""
-    if type(msg) is not dict:
-        return _digest(_dump_any(msg), _MSG_PERSON), -1
-    if _is_clean(msg) and not (policy is not None and policy.pins(msg.get("role"))):
-        try:
-            data = orjson.dumps(msg, option=_SORT)
-        except TypeError:
-            return _digest(_dump_any(msg), _MSG_PERSON), -1
-        return _digest(data, _MSG_PERSON), len(data)
-    return _digest(_dump_any(canonical_message(msg, policy)), _MSG_PERSON), -1
+    ids, sizes = identify_messages((msg,), policy)
+    return ids[0], sizes[0]
 
 
 def message_identity(msg: Any, policy: Policy | None = None) -> bytes:

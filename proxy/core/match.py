@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from ..store.base import ROLE_TOOLS, Node, NodeReader
-from .identity import identify_message, message_identity, tools_identity
+from .identity import identify_messages, message_identity, tools_identity
 from .policy import Policy
 
 __all__ = ["Match", "chain", "match_request", "new_nodes", "tenant_root", "tool_groups"]
@@ -94,6 +94,29 @@ def tool_groups(messages: Sequence[Any]) -> dict[int, int]:
     return groups
 
 
+def _group_around(messages: Sequence[Any], i: int) -> tuple[int, int] | None:
+    """The tool-result group (start, end) holding message ``i``, when it has two members or more."""
+
+    def is_tool(j: int) -> bool:
+        m = messages[j]
+        return type(m) is dict and m.get("role") == "tool"
+
+    if not is_tool(i):
+        return None
+    start = i
+    while start > 0 and is_tool(start - 1):
+        start -= 1
+    if start == 0:
+        return None
+    head = messages[start - 1]
+    if not (type(head) is dict and head.get("role") == "assistant" and head.get("tool_calls")):
+        return None
+    end = i + 1
+    while end < len(messages) and is_tool(end):
+        end += 1
+    return (start, end) if end - start > 1 else None
+
+
 def _collapsible(msg: Any) -> bool:
     if type(msg) is not dict:
         return False
@@ -140,76 +163,73 @@ def match_request(body: Mapping[str, Any], root: bytes, store: NodeReader, polic
     messages: list[Any] = raw_messages if type(raw_messages) is list else []
     n = len(messages)
 
-    msg_ids: list[bytes] = []
-    sizes: list[int] = []
-    for msg in messages:
-        identity, size = identify_message(msg, policy)
-        msg_ids.append(identity)
-        sizes.append(size)
+    msg_ids, sizes = identify_messages(messages, policy)
 
+    get = store.get
+    blake2b = hashlib.blake2b
     tools_id = tools_identity(body.get("tools"))
-    key = chain(root, tools_id)
-    node = store.get(key)
+    parent = blake2b(root + tools_id, digest_size=16).digest()
+    node = get(parent)
     matching = node is not None
-    identities = [tools_id]
-    keys = [key]
-    clean = [-1]
+    keys = [parent]
     nodes: list[Node] = [node] if node is not None else []
     order: list[int] = []
-    parent = key
 
     rewrite = policy.repair
-    groups = tool_groups(messages) if rewrite else {}
     collapse = rewrite and policy.collapse_duplicates
-
-    def take(i: int, key: bytes, node: Node | None) -> None:
-        order.append(i)
-        identities.append(msg_ids[i])
-        keys.append(key)
-        clean.append(sizes[i])
-        if node is not None:
-            nodes.append(node)
 
     i = 0
     while i < n:
+        ident = msg_ids[i]
         if (
             collapse
             and i > 0
-            and msg_ids[i] == msg_ids[i - 1]
+            and ident == msg_ids[i - 1]
             and _collapsible(messages[i])
             and _collapsible(messages[i - 1])
+            # Keep a repeat the stored transcript itself holds: then it is no replay.
+            and not (matching and get(chain(parent, ident)) is not None)
         ):
-            key = chain(parent, msg_ids[i])
-            # Keep it when the stored transcript itself holds the repeat: then it is no replay.
-            if not (matching and store.get(key) is not None):
-                i += 1
-                continue
-        end = groups.get(i)
-        if end is not None and matching and end - i > 1:
-            found = _stored_order(parent, list(range(i, end)), msg_ids, store)
-            if found is not None:
-                for r, key, node in found:
-                    take(r, key, node)
-                parent = key
-                i = end
-                continue
-        key = chain(parent, msg_ids[i])
-        node = store.get(key) if matching else None
-        if node is None:
-            matching = False
-        take(i, key, node)
+            i += 1
+            continue
+        key = blake2b(parent + ident, digest_size=16).digest()
+        if matching:
+            node = get(key)
+            if node is not None:
+                nodes.append(node)
+            else:
+                matching = False
+                group = _group_around(messages, i) if rewrite else None
+                if group is not None:
+                    # Left the tree inside a tool-result group: look for the whole group in
+                    # the stored order, starting over from the group's parent.
+                    start, end = group
+                    kept = len(order) - (i - start)
+                    found = _stored_order(keys[kept], list(range(start, end)), msg_ids, store)
+                    if found is not None:
+                        del order[kept:], keys[kept + 1 :], nodes[kept + 1 :]
+                        for r, key, node in found:
+                            order.append(r)
+                            keys.append(key)
+                            nodes.append(node)
+                        parent = key
+                        matching = True
+                        i = end
+                        continue
+        order.append(i)
+        keys.append(key)
         parent = key
         i += 1
 
     return Match(
         root=root,
-        identities=tuple(identities),
+        identities=(tools_id, *[msg_ids[r] for r in order]),
         keys=tuple(keys),
         order=tuple(order),
         matched=len(nodes),
         nodes=tuple(nodes),
         policy=policy,
-        clean_sizes=tuple(clean),
+        clean_sizes=(-1, *[sizes[r] for r in order]),
     )
 
 

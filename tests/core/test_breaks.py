@@ -65,6 +65,22 @@ def test_new_branch_for_the_next_turn(talked: Session) -> None:
     assert brk(talked, *history(3), user("question 4"), tools=TOOLS) == Break("new_branch", 8, None)
 
 
+def test_new_task_under_a_shared_system_prompt_is_a_new_branch(talked: Session) -> None:
+    assert brk(talked, system(SYSTEM), user("a different task"), tools=TOOLS) == Break(
+        "new_branch", 2, None
+    )
+
+
+def test_edited_last_prompt_is_a_new_branch_but_edited_history_is_not(talked: Session) -> None:
+    msgs = history(2)
+    assert brk(talked, *msgs, user("question 3, rephrased"), tools=TOOLS) == Break(
+        "new_branch", 6, None
+    )
+    msgs[3] = user("question 2, rephrased")
+    b = brk(talked, *msgs, user("question 3"), tools=TOOLS)
+    assert b is not None and (b.reason, b.depth) == ("content_changed", 4)
+
+
 def test_new_branch_for_another_tenant(talked: Session) -> None:
     other = Session(store=talked.store, credential="sk-mallory")
     b = brk(other, *history(3), tools=TOOLS)

@@ -263,7 +263,8 @@ def test_semantic_edits_are_never_rewritten_and_always_reported(data: Any, convo
         "the edited message and all after it go as sent"
     )
     assert t.brk is not None and t.brk.depth == i + 1
-    assert t.brk.reason != "new_branch"
+    if i < len(msgs) - 1 or msgs[i]["role"] != "user":
+        assert t.brk.reason != "new_branch"  # a new last user turn is one; nothing else is
 
 
 @FAST
@@ -294,3 +295,69 @@ def test_tool_groups_stay_whole(data: Any, convo: Any, collapse: bool) -> None:
     assert sorted(orjson.dumps(m) for m in sent if m.get("role") == "tool") == sorted(
         orjson.dumps(m) for m in request if m.get("role") == "tool"
     )
+
+
+# -- the fast paths hash exactly what the normalizing path hashes ----------------------------
+
+edge = st.sampled_from(["", " ", "\n", "\t\n"])
+contents = st.one_of(
+    st.none(),
+    st.builds(lambda a, t, b: a + t + b, edge, texts, edge),
+    st.builds(lambda t: [{"type": "text", "text": t}], texts),
+    st.builds(
+        lambda t: [{"type": "text", "text": t, "cache_control": {"type": "ephemeral"}}], texts
+    ),
+)
+raw_arguments = st.one_of(
+    arguments.map(lambda v: json.dumps(v, ensure_ascii=False, separators=(",", ":"))),
+    arguments.map(json.dumps),
+    st.sampled_from(['{"a":1,"a":2}', "not json", '{"n": 1.50}', "", '{"x":NaN}']),
+)
+
+
+@st.composite
+def tool_calls(draw: Any) -> list[dict[str, Any]]:
+    calls = []
+    for j in range(draw(st.integers(1, 3))):
+        c = call(
+            draw(st.sampled_from([f"id_{j}", "same", ""])),
+            draw(st.sampled_from(["f", "g"])),
+            draw(raw_arguments),
+        )
+        if draw(st.booleans()):
+            c["index"] = j
+        calls.append(c)
+    return calls
+
+
+@st.composite
+def messages(draw: Any) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": draw(st.sampled_from(["user", "assistant", "tool", "system"]))}
+    content = draw(contents)
+    if content is not None or draw(st.booleans()):
+        msg["content"] = content
+    if draw(st.booleans()):
+        msg["tool_calls"] = draw(tool_calls())
+    for key, values in (
+        ("name", st.sampled_from(["", "bob"])),
+        ("n", st.integers() | st.floats(allow_nan=False) | st.booleans()),
+    ):
+        if draw(st.booleans()):
+            msg[key] = draw(values)
+    return msg
+
+
+def _forced_generic(msg: dict[str, Any]) -> dict[str, Any]:
+    """A safe drift of ``msg`` (an empty field, a null key per call) that no fast path accepts."""
+    out = {**msg, "refusal": None}
+    if type(out.get("tool_calls")) is list:
+        out["tool_calls"] = [{**c, "x_pad": None} for c in out["tool_calls"]]
+    return out
+
+
+@FAST
+@given(msg=messages())
+def test_fast_paths_agree_with_the_normalizing_path(msg: dict[str, Any]) -> None:
+    identity = message_identity(msg)
+    assert identity == message_identity(_forced_generic(msg))
+    assert identity == message_identity(dict(reversed(list(msg.items()))))

@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DIR = Path(
@@ -39,7 +39,7 @@ BUILD_SCRIPT = REPO_ROOT / "tests" / "engine" / "build_engine.sh"
 SLOT_SAVE_DIR = ENGINE_DIR / "slots"
 
 CTX_SIZE = 8192
-THREADS = 2
+THREADS = int(os.environ.get("KVWARM_ENGINE_THREADS") or 2)
 STARTUP_TIMEOUT_S = 120.0
 
 
@@ -64,7 +64,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(port: int) -> list[str]:
+def server_command(port: int, *, threads: int | None = None, extra_args: Sequence[str] = ()) -> list[str]:
     """The llama-server command line for one engine on 127.0.0.1:port.
 
     One slot (-np 1), 8k context, no host-RAM prompt cache (--cache-ram 0) so the
@@ -80,7 +80,7 @@ def server_command(port: int) -> list[str]:
         "-m", str(model),
         "-c", str(CTX_SIZE),
         "-np", "1",
-        "-t", str(THREADS),
+        "-t", str(threads or THREADS),
         "--cache-ram", "0",
         "--jinja",
         "--chat-template-file", str(TEMPLATE_PATH),
@@ -88,6 +88,7 @@ def server_command(port: int) -> list[str]:
         "--slot-save-path", str(SLOT_SAVE_DIR),
         "--host", "127.0.0.1",
         "--port", str(port),
+        *extra_args,
     ]
 
 
@@ -118,11 +119,13 @@ def _tail(path: Path, n: int = 40) -> str:
 
 @contextlib.contextmanager
 def run_engine(port: int | None = None, *, log_path: str | os.PathLike | None = None,
-               timeout: float = STARTUP_TIMEOUT_S) -> Iterator[str]:
+               timeout: float = STARTUP_TIMEOUT_S, threads: int | None = None,
+               extra_args: Sequence[str] = ()) -> Iterator[str]:
     """Start llama-server on 127.0.0.1:port (a free port if None), wait for
     GET /health == 200 and yield the base URL ``http://127.0.0.1:PORT/v1``.
     The process is terminated (SIGTERM, then SIGKILL) on exit. Server output goes
-    to log_path (a temporary file if not given)."""
+    to log_path (a temporary file if not given); threads/extra_args go to
+    server_command."""
     if not engine_available():
         raise RuntimeError(f"engine not built; run {BUILD_SCRIPT}")
     if port is None:
@@ -137,7 +140,7 @@ def run_engine(port: int | None = None, *, log_path: str | os.PathLike | None = 
     root = f"http://127.0.0.1:{port}"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            server_command(port), stdout=out, stderr=subprocess.STDOUT,
+            server_command(port, threads=threads, extra_args=extra_args), stdout=out, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
     try:

@@ -1,0 +1,161 @@
+"""The inspection commands: ``kvwarm sessions``, ``show``, ``export`` and ``import``.
+
+Each opens the configured store directly (``--store`` / ``--config``, parsed by
+:mod:`proxy.cli`), does its work and closes it, in one ``asyncio.run``. The
+logic is :mod:`proxy.sessions`'; this module only prints.
+
+A store in use by a running ``kvwarm serve`` can be listed, shown and exported
+(sessions of the last ``store.flush_interval`` may be missing). Import into a
+store no server has open: a running server would not see the imported sessions
+until restarted. Exit status: 0 on success, 1 when anything failed (a session
+not found, a transcript refused: each reported on stderr with its file and line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TextIO
+
+from . import sessions
+from .config import Settings
+from .core import transcript_md
+from .core.policy import Policy
+from .store.base import SessionInfo, TranscriptStore
+from .store.factory import make_store
+
+__all__ = ["run"]
+
+OK = 0
+FAILED = 1
+
+_Command = Callable[[TranscriptStore, argparse.Namespace, Settings, TextIO, TextIO], int]
+"""A command: runs on an open store, between the awaited ``open()`` and ``close()``."""
+
+
+def run(
+    name: str,
+    args: argparse.Namespace,
+    settings: Settings,
+    *,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """Run command ``name`` (``sessions``, ``show``, ``export``, ``import``); returns the exit status."""
+    command = _COMMANDS.get(name)
+    if command is None:
+        raise ValueError(f"unknown inspection command {name!r}")
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    return asyncio.run(_with_store(command, args, settings, out, err))
+
+
+async def _with_store(command: _Command, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
+    s = settings.store
+    store = make_store(
+        s.backend,
+        ttl_seconds=s.ttl_seconds,
+        max_bytes=s.max_bytes,
+        secret=s.secret,
+        flush_interval=s.flush_interval,
+    )
+    await store.open()
+    try:
+        # Synchronous on purpose: the store is not thread-safe, and nothing else runs meanwhile.
+        return command(store, args, settings, out, err)
+    finally:
+        await store.close()
+
+
+def _sessions(store: TranscriptStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
+    infos = store.sessions()
+    out.write(format_table(infos))
+    return OK
+
+
+def format_table(infos: list[SessionInfo]) -> str:
+    """The session list as an aligned text table (full ids: ``show`` takes them, or a prefix)."""
+    head = ("SESSION", "MODEL", "TURNS", "MSGS", "PROMPT", "CACHED", "HIT", "OUTPUT", "COST", "BREAK", "UPDATED")
+    rows = [head]
+    for i in infos:
+        t = i.totals
+        pct = transcript_md.cache_hit_pct(t)
+        rows.append(
+            (
+                sessions.session_id(i.leaf),
+                transcript_md.escape(t.model) or "-",
+                str(t.turns),
+                str(i.depth),
+                str(t.prompt_tokens),
+                str(t.cached_tokens),
+                "?" if pct is None else f"{pct:.1f}%",
+                str(t.completion_tokens),
+                f"${t.cost_usd:.6f}" + ("" if t.billed else "~"),
+                t.last_break or "-",
+                transcript_md.format_time(t.updated)[:19].replace("T", " "),
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    numeric = {2, 3, 4, 5, 6, 7, 8}
+    lines = [
+        "  ".join(cell.rjust(w) if c in numeric else cell.ljust(w) for c, (cell, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _show(store: TranscriptStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
+    leaf = sessions.find_session(store, args.session)
+    transcript = sessions.load_session(store, leaf) if leaf is not None else None
+    if transcript is None:
+        err.write(f"kvwarm: no session {args.session!r} (or the prefix is ambiguous); see `kvwarm sessions`\n")
+        return FAILED
+    if args.format == "json":
+        out.write(sessions.session_json(transcript).decode("utf-8") + "\n")
+    else:
+        out.write(transcript_md.render(transcript))
+    return OK
+
+
+def _export(store: TranscriptStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
+    directory = Path(args.dir)
+    report = sessions.export_sessions(store, directory)
+    for path in report.written:
+        out.write(f"{path}\n")
+    for sid, problem in report.failed:
+        err.write(f"kvwarm: export: session {sid}: {problem}\n")
+    err.write(f"kvwarm: exported {len(report.written)} sessions to {directory}\n")
+    return FAILED if report.failed else OK
+
+
+def _import(store: TranscriptStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        err.write(f"kvwarm: import: {directory} is not a directory\n")
+        return FAILED
+    key = getattr(args, "tenant_key", None)
+    root = sessions.new_root(store, key, settings.store.tenant_header) if key else None
+    r = settings.repair
+    policy = Policy.build(r.enabled, r.collapse_duplicates, r.pin_patterns)
+    report = sessions.import_dir(store, directory, policy, root)
+    for path, outcome in report.imported:
+        state = "imported" if outcome.new_session else "already present"
+        out.write(f"{path}: {state}: session {sessions.session_id(outcome.leaf)} ({outcome.new_nodes} new nodes)\n")
+    for path, problem in report.refused:
+        err.write(f"kvwarm: import: {path}: {problem}; nothing of it was imported\n")
+    err.write(
+        f"kvwarm: imported {sum(o.new_session for _, o in report.imported)} sessions from "
+        f"{len(report.imported)} files; {len(report.refused)} files refused\n"
+    )
+    return FAILED if report.refused else OK
+
+
+_COMMANDS: Mapping[str, _Command] = {
+    "sessions": _sessions,
+    "show": _show,
+    "export": _export,
+    "import": _import,
+}

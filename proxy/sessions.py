@@ -1,0 +1,342 @@
+"""Sessions as people see them: ids, listing, one session's transcript, export and import.
+
+Shared by the admin API (:mod:`proxy.admin`) and the command line
+(:mod:`proxy.inspect_cli`); neither holds logic of its own beyond its edge.
+
+* A session is a leaf of the transcript tree that holds :class:`SessionTotals`;
+  its id is the hex of the leaf key (32 hex digits). That is no secret: keys are
+  hashes chained from the tenant root, itself an HMAC of the credential.
+* Export writes one Markdown transcript per session (:mod:`proxy.core.transcript_md`)
+  under a name allocated atomically: ``<first 16 hex of the id>_<n>.md``, created
+  with ``O_CREAT | O_EXCL`` and, when the name is taken, retried with ``n + 1``.
+  Two exports running at once (threads or processes) never write the same file.
+* Import parses each file whole (a malformed one raises
+  :class:`~proxy.errors.TranscriptFormatError` and nothing of it is stored), then
+  inserts its nodes (insert-if-absent, so importing twice changes nothing) and,
+  when the leaf holds no totals yet, the session's totals.
+
+Tenants on import: a transcript names its tenant root and a fingerprint of the
+server secret that keyed it (:func:`secret_id`). Without a tenant key, the
+session is restored under that same root, which only means something to an
+instance sharing the secret (``store.secret``, or the ``PATH.secret`` file of
+the sqlite store): an import into a store with another secret is refused
+(:class:`ImportRefused`) rather than stored where no request could ever match
+it. With a tenant key, every session is re-chained under the root of that key:
+the identities are kept and the keys recomputed with
+:func:`proxy.core.match.chain`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .core import transcript_md
+from .core.match import chain, tenant_root
+from .core.policy import Policy
+from .core.transcript_md import Transcript
+from .errors import ImportRefused, TranscriptFormatError
+from .store.base import Node, SessionInfo, SessionTotals, TranscriptStore
+
+__all__ = [
+    "ExportReport",
+    "ImportOutcome",
+    "ImportRefused",
+    "ImportReport",
+    "credential_for_key",
+    "export_sessions",
+    "find_session",
+    "import_dir",
+    "import_file",
+    "import_transcript",
+    "list_json",
+    "load_session",
+    "new_root",
+    "rechain",
+    "secret_id",
+    "session_id",
+    "session_json",
+    "summary",
+    "write_new_file",
+]
+
+ID_HEX = 32
+"""Length of a session id (hex of a 16-byte leaf key)."""
+MIN_PREFIX = 4
+"""Shortest id prefix :func:`find_session` accepts."""
+FILE_STEM_HEX = 16
+MAX_NAME_TRIES = 100_000
+_SECRET_ID_LABEL = b"\x00kvwarm secret id"
+"""What :func:`secret_id` MACs. It holds a NUL, so no header value (no tenant credential) equals it."""
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+# -- ids and lookups -------------------------------------------------------------------------
+
+
+def session_id(leaf: bytes) -> str:
+    return leaf.hex()
+
+
+def secret_id(secret: bytes) -> bytes:
+    """An 8-byte fingerprint of the server secret; tells an importer whether it shares the secret."""
+    return hmac.new(secret, _SECRET_ID_LABEL, hashlib.sha256).digest()[: transcript_md.SECRET_ID_SIZE]
+
+
+def find_session(store: TranscriptStore, text: str, tenant: bytes | None = None) -> bytes | None:
+    """The leaf of the session ``text`` names: its full id, or a unique prefix of at least 4 hex digits.
+
+    Only sessions of ``tenant`` are considered when it is given. None when nothing (or more than
+    one session) matches.
+    """
+    wanted = text.strip().lower()
+    if not MIN_PREFIX <= len(wanted) <= ID_HEX or not _HEX.fullmatch(wanted):
+        return None
+    if len(wanted) == ID_HEX:
+        leaf = bytes.fromhex(wanted)
+        return leaf if load_session(store, leaf, tenant, with_secret=False) is not None else None
+    found = [info.leaf for info in store.sessions(tenant) if info.leaf.hex().startswith(wanted)]
+    return found[0] if len(found) == 1 else None
+
+
+def load_session(
+    store: TranscriptStore, leaf: bytes, tenant: bytes | None = None, *, with_secret: bool = True
+) -> Transcript | None:
+    """The session ending at ``leaf`` (of ``tenant`` when given), or None.
+
+    ``with_secret=False`` leaves :attr:`Transcript.secret_id` empty (it is only needed to export).
+    """
+    totals = store.totals(leaf)
+    if totals is None:
+        return None
+    nodes = store.path(leaf)
+    if not nodes or (tenant is not None and nodes[-1].tenant != tenant):
+        return None
+    return Transcript(
+        session=leaf,
+        tenant=nodes[-1].tenant,
+        secret_id=secret_id(store.secret()) if with_secret else b"",
+        totals=totals,
+        nodes=tuple(nodes),
+    )
+
+
+# -- JSON views ------------------------------------------------------------------------------
+
+
+def summary(leaf: bytes, tenant: bytes, depth: int, totals: SessionTotals) -> dict[str, Any]:
+    """One session as the list and the detail views show it."""
+    pct = transcript_md.cache_hit_pct(totals)
+    return {
+        "id": session_id(leaf),
+        "tenant": tenant.hex(),
+        "model": totals.model,
+        "messages": depth,
+        "turns": totals.turns,
+        "prompt_tokens": totals.prompt_tokens,
+        "cached_tokens": totals.cached_tokens,
+        "completion_tokens": totals.completion_tokens,
+        "unknown_cache_turns": totals.unknown_cache_turns,
+        "cache_hit_pct": None if pct is None else round(pct, 2),
+        "cost_usd": totals.cost_usd,
+        "cost_billed": totals.billed,
+        "repaired": totals.repaired,
+        "last_break": totals.last_break or None,
+        "created": transcript_md.format_time(totals.created),
+        "updated": transcript_md.format_time(totals.updated),
+    }
+
+
+def list_json(infos: Sequence[SessionInfo], limit: int) -> bytes:
+    """``{"object": "list", "data": [...], "has_more": bool}``, most recently updated first."""
+    data = [summary(i.leaf, i.tenant, i.depth, i.totals) for i in infos[:limit]]
+    return orjson.dumps({"object": "list", "data": data, "has_more": len(infos) > limit})
+
+
+def session_json(transcript: Transcript) -> bytes:
+    """The session's summary and its elements; each ``body`` is the stored JSON, byte for byte."""
+    last = transcript.nodes[-1]
+    out = summary(transcript.session, transcript.tenant, last.depth, transcript.totals)
+    out["elements"] = [
+        {
+            "depth": n.depth,
+            "role": n.role,
+            "identity": n.identity.hex(),
+            "tokens": n.tokens,
+            "generated": n.generated,
+            "partial": n.partial,
+            "created": transcript_md.format_time(n.created),
+            # A Fragment is written as is: the exact stored bytes, not a re-serialization.
+            "body": orjson.Fragment(n.body),
+        }
+        for n in transcript.nodes
+    ]
+    return orjson.dumps(out)
+
+
+# -- export ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ExportReport:
+    written: list[Path] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    """(session id, problem) of sessions that could not be written."""
+
+
+def write_new_file(directory: Path, stem: str, data: bytes) -> Path:
+    """Write ``data`` to ``directory/<stem>_<n>.md`` for the lowest free ``n`` >= 1; never overwrites.
+
+    The name is claimed with ``O_CREAT | O_EXCL`` (atomic on a local file system), so concurrent
+    writers each get their own. A write that fails removes its file: no partial transcript stays.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for n in range(1, MAX_NAME_TRIES + 1):
+        path = directory / f"{stem}_{n}.md"
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return path
+    raise FileExistsError(f"{directory}: no free name {stem}_<n>.md below n={MAX_NAME_TRIES}")
+
+
+def export_sessions(store: TranscriptStore, directory: Path, tenant: bytes | None = None) -> ExportReport:
+    """Write every session (of ``tenant`` when given) to ``directory`` (created if missing)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    report = ExportReport()
+    for info in store.sessions(tenant):
+        transcript = load_session(store, info.leaf, tenant)
+        if transcript is None:  # evicted between listing and loading
+            continue
+        try:
+            data = transcript_md.render(transcript).encode("utf-8")
+        except ValueError as exc:  # a body that is not UTF-8 text
+            report.failed.append((session_id(info.leaf), f"cannot render: {exc}"))
+            continue
+        report.written.append(write_new_file(directory, session_id(info.leaf)[:FILE_STEM_HEX], data))
+    return report
+
+
+# -- import ----------------------------------------------------------------------------------
+
+
+def credential_for_key(key: str, tenant_header: str = "") -> str:
+    """The credential the pipeline keys a tenant by, from what a user holds.
+
+    Tenants keyed by ``Authorization`` (the default): the bare API key ``sk-...`` becomes
+    ``Bearer sk-...``, the header value an SDK sends; a value already starting with
+    ``Bearer `` is taken as is. With ``store.tenant_header`` set, ``key`` is that header's value.
+    """
+    if tenant_header or key[:7].lower() == "bearer ":
+        return key
+    return f"Bearer {key}"
+
+
+def rechain(nodes: Sequence[Node], root: bytes) -> list[Node]:
+    """The same elements chained under another tenant root: identities kept, keys recomputed."""
+    out: list[Node] = []
+    parent = root
+    for node in nodes:
+        key = chain(parent, node.identity)
+        out.append(
+            Node(
+                key=key,
+                parent=parent,
+                tenant=root,
+                depth=node.depth,
+                role=node.role,
+                identity=node.identity,
+                body=node.body,
+                tokens=node.tokens,
+                generated=node.generated,
+                partial=node.partial,
+                created=node.created,
+            )
+        )
+        parent = key
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ImportOutcome:
+    leaf: bytes
+    """The session id under the tenant it was imported to."""
+    new_nodes: int
+    new_session: bool
+    """False when the store already held this session (its totals are left as they were)."""
+
+
+def import_transcript(store: TranscriptStore, transcript: Transcript, root: bytes | None = None) -> ImportOutcome:
+    """Store a parsed transcript: under its own tenant, or re-chained under ``root``.
+
+    Without ``root`` the store must share the secret the transcript was exported under.
+    """
+    if root is None:
+        if transcript.secret_id != secret_id(store.secret()):
+            raise ImportRefused(
+                "exported under another server secret: configure the exporting instance's "
+                "store.secret, or pass --tenant-key to assign the session to a tenant of this store"
+            )
+        nodes = list(transcript.nodes)
+    else:
+        nodes = rechain(transcript.nodes, root)
+    leaf = nodes[-1].key
+    added = store.insert(nodes)
+    if not store.path(leaf):
+        raise ImportRefused("the store did not keep the session's nodes")
+    new_session = store.totals(leaf) is None
+    if new_session:
+        store.add_turn(leaf, None, transcript.totals)
+    return ImportOutcome(leaf=leaf, new_nodes=added, new_session=new_session)
+
+
+def import_file(store: TranscriptStore, path: Path, policy: Policy, root: bytes | None = None) -> ImportOutcome:
+    """Parse ``path`` whole, then store it. Raises TranscriptFormatError, ImportRefused or OSError."""
+    transcript = transcript_md.parse(path.read_bytes(), policy)
+    return import_transcript(store, transcript, root)
+
+
+@dataclass(slots=True)
+class ImportReport:
+    imported: list[tuple[Path, ImportOutcome]] = field(default_factory=list)
+    refused: list[tuple[Path, str]] = field(default_factory=list)
+    """(file, problem): each a file of which nothing was stored."""
+
+
+def import_dir(store: TranscriptStore, directory: Path, policy: Policy, root: bytes | None = None) -> ImportReport:
+    """Import every ``*.md`` of ``directory`` (sorted by name); a bad file is refused whole, the rest import."""
+    report = ImportReport()
+    for path in sorted(directory.glob("*.md")):
+        try:
+            report.imported.append((path, import_file(store, path, policy, root)))
+        except TranscriptFormatError as exc:
+            report.refused.append((path, f"line {exc.line}: {exc.problem}"))
+        except ImportRefused as exc:
+            report.refused.append((path, str(exc)))
+        except OSError as exc:
+            report.refused.append((path, f"cannot read: {exc.strerror or exc}"))
+    return report
+
+
+def new_root(store: TranscriptStore, key: str, tenant_header: str = "") -> bytes:
+    """The tenant root of the API key ``key`` in ``store`` (see :func:`credential_for_key`)."""
+    return tenant_root(store.secret(), credential_for_key(key, tenant_header))

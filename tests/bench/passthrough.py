@@ -1,0 +1,99 @@
+"""The bare pass-through: the least a reverse proxy must do, as a baseline for kvwarm's overhead.
+
+One pooled :class:`aiohttp.ClientSession`; every request's method, path, query, body and
+headers (minus hop-by-hop ones) are forwarded to the upstream, and the response is streamed
+back chunk by chunk as it arrives. No parsing, no metrics, no logging. It runs on uvloop
+when installed, like ``kvwarm serve`` (``server.uvloop = true``).
+
+``python -m tests.bench.passthrough --port P --upstream http://127.0.0.1:U/v1``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import hdrs, web
+
+_HOP = frozenset(
+    h.lower()
+    for h in (
+        hdrs.CONNECTION, "Keep-Alive", hdrs.PROXY_AUTHENTICATE, hdrs.PROXY_AUTHORIZATION,
+        hdrs.TE, hdrs.TRAILER, hdrs.TRANSFER_ENCODING, hdrs.UPGRADE, hdrs.HOST, hdrs.CONTENT_LENGTH,
+    )
+)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+UPSTREAM = web.AppKey("upstream", str)
+
+
+async def _session(app: web.Application) -> AsyncIterator[None]:
+    connector = aiohttp.TCPConnector(limit=256)
+    app[SESSION] = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    yield
+    await app[SESSION].close()
+
+
+async def forward(request: web.Request) -> web.StreamResponse:
+    tail = request.match_info["tail"]
+    url = f"{request.app[UPSTREAM]}/{tail}"
+    if request.query_string:
+        url += "?" + request.query_string
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+    body = await request.read()
+    async with request.app[SESSION].request(
+        request.method, url, headers=headers, data=body or None, allow_redirects=False
+    ) as upstream:
+        out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for k, v in upstream.headers.items():
+            if k.lower() not in _HOP:
+                out.headers.add(k, v)
+        if upstream.content_length is not None:
+            out.content_length = upstream.content_length
+        await out.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await out.write(chunk)
+        await out.write_eof()
+        return out
+
+
+def create_passthrough(upstream: str) -> web.Application:
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app[UPSTREAM] = upstream.rstrip("/")
+    app.cleanup_ctx.append(_session)
+    app.router.add_route("*", "/v1/{tail:.*}", forward)
+    return app
+
+
+def loop_kind() -> str:
+    try:
+        import uvloop
+    except ImportError:
+        return "asyncio"
+    return f"uvloop {uvloop.__version__}"
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--upstream", required=True, help="base URL, e.g. http://127.0.0.1:8090/v1")
+    args = parser.parse_args()
+    web.run_app(
+        create_passthrough(args.upstream), host=args.host, port=args.port,
+        access_log=None, print=None, loop=_new_loop(),
+    )
+
+
+if __name__ == "__main__":
+    main()
