@@ -78,11 +78,34 @@ def _digest(data: bytes, person: bytes) -> bytes:
 
 
 def _dump_any(value: Any) -> bytes:
-    """Sorted-keys JSON of anything; odd values (non-JSON types, huge ints) fall back to repr."""
+    """Sorted-keys JSON of anything. Values orjson refuses (huge ints, lone surrogates, other
+    types) are written field by field, still blind to key order; never raises."""
     try:
         return orjson.dumps(value, option=_SORT)
     except TypeError:  # orjson.JSONEncodeError is a TypeError
-        return b"\x00repr:" + repr(value).encode("utf-8", "surrogatepass")
+        pass
+    try:
+        return _dump_odd(value)
+    except RecursionError:
+        return b"\x00too-deep"
+
+
+def _first(pair: tuple[str, Any]) -> str:
+    return pair[0]
+
+
+def _dump_odd(value: Any) -> bytes:
+    t = type(value)
+    if t is dict:
+        items = sorted(((str(k), v) for k, v in value.items()), key=_first)
+        return b"{" + b",".join(_dump_any(k) + b":" + _dump_any(v) for k, v in items) + b"}"
+    if t is list or t is tuple:
+        return b"[" + b",".join(_dump_any(x) for x in value) + b"]"
+    if t is int:
+        return str(value).encode()
+    if t is str:
+        return json.dumps(value).encode()  # ASCII escapes carry lone surrogates
+    return b"\x00repr:" + repr(value).encode("utf-8", "surrogatepass")
 
 
 def _empty(value: Any) -> bool:

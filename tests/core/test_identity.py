@@ -354,6 +354,7 @@ def test_policy_rejects_bad_patterns() -> None:
         {"role": 3},
         {"content": {"nested": None}},
         {"role": "user", "content": 2**80},
+        {1: {}, "1": {}, "s": "\ud800"},
         object(),
     ],
 )

@@ -17,7 +17,9 @@ what the demo's table and ``/metrics`` say). Range forms
 first sample of a series born inside the range: on a young kvwarm they drop the
 first scrape's worth of traffic (often the uncached first turns) and read high.
 The graphs use ``rate`` over ``$__rate_interval`` as usual and are checked for
-having data, and the overall one loosely against the totals.
+having data; the overall hit graph also against the totals, which holds because
+a warm-up request is scraped before the agents start (so ``rate`` sees all of
+their traffic) and the window spans the whole run.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ What runs (all on 127.0.0.1, as subprocesses of this script):
   with the current time (a real change kvwarm must not rewrite); each runs twice
   at once, direct and through kvwarm, with the official ``openai`` SDK
   (``AsyncOpenAI``). Agents differ by system prompt and API key, so their
-  prefixes never mix either. Conversations restart every few turns until the
-  time is up.
+  prefixes never mix either. Conversations restart with a new task every few
+  turns until the time is up.
 
 Then a table per agent: cache-hit % direct vs through kvwarm, repairs, prompt
 tokens rescued (from the ``x-kvwarm-prefix`` response header) and prefix breaks
@@ -48,7 +48,7 @@ from typing import Any
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.agents import SAFE_DRIFTS, SYSTEM, Agent, Drift, Post, Turn, no_drift
+from tests.agents import SAFE_DRIFTS, SYSTEM, USER_TURNS, Agent, Drift, Post, Turn, no_drift
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFERRED_PORT = 8080
@@ -90,6 +90,19 @@ def agent_system(name: str) -> str:
     if name == SEMANTIC:
         head = f"Current time: {now_stamp()}\n" + head
     return head + SYSTEM
+
+
+def new_agent(post: Post, name: str, drift: Drift, session: int = 1) -> Agent:
+    """Session ``session`` of an agent: its system prompt and tools, and a task of its own.
+
+    The task differs per session because the drift functions depend on the turn number only:
+    a session repeating an earlier one's task would replay its prompts and hit the provider's
+    cache by coincidence.
+    """
+    system = agent_system(name)
+    task = f"Task {session}: {USER_TURNS[0]}"
+    return Agent(post, drift=drift, system=system,
+                 history=[{"role": "system", "content": system}, {"role": "user", "content": task}])
 
 
 def scenarios() -> dict[str, Drift]:
@@ -156,8 +169,10 @@ async def run_pair(direct: Post, via: Post, name: str, drift: Drift, deadline: f
     Both agents take each turn at the same moment, so their sessions and turn
     counts match and the two hit percentages compare like with like.
     """
+    session = 0
     while time.monotonic() < deadline:
-        agents = [Agent(post, drift=drift, system=agent_system(name)) for post in (direct, via)]
+        session += 1
+        agents = [new_agent(post, name, drift, session) for post in (direct, via)]
         for _ in range(TURNS_PER_SESSION):
             if time.monotonic() >= deadline:
                 return
@@ -376,6 +391,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("hit %: cached / prompt tokens the upstream reported; repaired, tokens rescued, breaks: kvwarm's")
         print("x-kvwarm-prefix header per response. The semantic control's timestamp is a real change: kvwarm")
         print("forwards it as sent and names the break (repair.pin_patterns is the opt-in that pins it).")
+        print("The upstream's replies depend on the prompt it gets, so a drifting conversation and its repaired")
+        print("twin can diverge a little: differences under a point are noise (tests/proxy/test_drift.py checks")
+        print("turn by turn that kvwarm gives a drifting agent exactly a non-drifting agent's cache hits).")
         print(f"{failed} request(s) got an injected upstream 503 (x-sim-fault), for the dashboard's error panels.")
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
             exposition = r.read().decode()
