@@ -10,9 +10,11 @@ rule that holds wins:
 3. ``duplicate_replay`` -- element ``k`` repeats element ``k-1``;
 4. ``reasoning_changed`` -- a stored child is the same message but for its reasoning
    (added, dropped or changed);
-5. ``message_removed`` -- element ``k`` is a stored grandchild (the request skipped one);
-6. ``message_inserted`` -- element ``k+1`` is a stored child (the request added one);
-7. ``truncated_head`` -- element ``k`` (and ``k+1``) continue a stored chain deeper down;
+5. ``truncated_head`` -- ``k == 1`` and the request's first message (and the next) sit
+   deeper in a stored chain: the request starts inside it;
+6. ``message_removed`` -- element ``k`` is stored further down the same chain (a grandchild
+   or deeper): the request skipped one message or more;
+7. ``message_inserted`` -- element ``k+1`` is a stored child (the request added one);
 8. ``new_branch`` -- no stored child has the role of element ``k`` (the client went on
    without it), or element ``k`` is a user message that ends the request: a new task under
    a shared system prompt, an edited last prompt -- nothing after it could have been cached;
@@ -56,7 +58,11 @@ REASONS = (
 """Every :attr:`Break.reason` (a bounded metrics label)."""
 
 _MAX_CANDIDATES = 32
-"""Stored children compared at most (a hot system prompt may have thousands)."""
+"""Stored children compared at most, the newest (a hot system prompt may have thousands)."""
+_MAX_DEEPER = 256
+"""Stored nodes with the same identity examined at most (``truncated_head``, ``message_removed``)."""
+_MAX_WALK = 4096
+"""Parent lookups spent at most proving that a node descends from another."""
 _MAX_SHAPE = 64
 """Longest span given a shape and a hint; longer spans are cut (shape ends with an ellipsis, no hint)."""
 _TOKEN_PUNCT = frozenset("-_:./+@~")
@@ -258,7 +264,7 @@ def _load(node: Node) -> Any:
 
 def _role_kind(role: Any) -> Any:
     """Roles compared as one: a developer message folded into a system one is a system change."""
-    return "system" if role in _SYSTEM_ROLES else role
+    return "system" if isinstance(role, str) and role in _SYSTEM_ROLES else role
 
 
 def _without_reasoning(msg: Any) -> Any:
@@ -295,13 +301,31 @@ def _continues_deeper(store: NodeReader, match: Match, k: int, nodes: Sequence[N
     return False
 
 
+def _descends(store: NodeReader, nodes: Sequence[Node], ancestor: bytes, depth: int) -> bool:
+    """One of ``nodes`` lies below ``ancestor`` (at ``depth``), at least two levels down."""
+    budget = _MAX_WALK
+    for node in nodes:
+        if node.depth < depth + 2:
+            continue
+        cur: Node | None = node
+        while cur is not None and cur.depth > depth + 1 and budget > 0:
+            budget -= 1
+            cur = store.get(cur.parent)
+        if cur is not None and cur.depth == depth + 1 and cur.parent == ancestor:
+            return True
+        if budget <= 0:
+            return False
+    return False
+
+
 def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break | None:
     """Why the request left the stored tree; None when all of it is stored."""
     k = match.matched
     if k >= len(match.keys):
         return None
     parent = match.keys[k - 1] if k else match.root
-    children = list(store.children(parent))[:_MAX_CANDIDATES]
+    # The newest siblings: a retry or an edit is compared with what was sent last.
+    children = list(store.children(parent)[-_MAX_CANDIDATES:])
     if not children:
         return Break("new_branch", k, None)
     if k == 0:
@@ -328,18 +352,21 @@ def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break 
         if message_identity(_without_reasoning(stored), policy) == bare:
             return Break("reasoning_changed", k, None)
 
-    for c in children:
-        if store.get(chain(c.key, ident)) is not None:
-            return Break("message_removed", k, None)
+    same_elsewhere = store.by_identity(match.root, ident)[-_MAX_DEEPER:]
+    if k == 1 and _continues_deeper(store, match, k, same_elsewhere):
+        # The request's first message sits deeper in a stored chain: the head was cut off.
+        return Break("truncated_head", k, None)
+
+    if any(store.get(chain(c.key, ident)) is not None for c in children) or _descends(
+        store, same_elsewhere, parent, k - 1
+    ):
+        return Break("message_removed", k, None)
 
     if (
         k + 1 < len(match.identities)
         and store.get(chain(parent, match.identities[k + 1])) is not None
     ):
         return Break("message_inserted", k, None)
-
-    if _continues_deeper(store, match, k, store.by_identity(match.root, ident)):
-        return Break("truncated_head", k, None)
 
     if not same_role or (role == "user" and k == len(match.keys) - 1):
         # Nothing of its kind stored here, or a new user turn at the end of the request: whatever

@@ -37,12 +37,17 @@ import orjson
 from .policy import PIN_MASK, Policy
 
 __all__ = [
+    "RAW_ARGUMENTS",
     "REASONING_KEYS",
     "canonical_arguments",
+    "canonical_message",
     "canonical_tool_call",
+    "canonical_tool_definition",
     "identify_message",
     "identify_messages",
+    "is_text_part",
     "message_identity",
+    "single_text",
     "tools_identity",
 ]
 
@@ -368,20 +373,6 @@ def canonical_message(msg: Mapping[str, Any], policy: Policy | None = None) -> d
         if not _empty(v):
             out[k] = v
     return out
-
-
-def _is_clean(msg: dict[str, Any]) -> bool:
-    """True when normalization would return ``msg`` unchanged: only non-empty scalars, trimmed content."""
-    if "cache_control" in msg:
-        return False
-    for k, v in msg.items():
-        t = type(v)
-        if t is str:
-            if not v or (k == "content" and (v[0].isspace() or v[-1].isspace())):
-                return False
-        elif t is not int and t is not float and t is not bool:
-            return False
-    return True
 
 
 # -- identities ------------------------------------------------------------------------------

@@ -96,8 +96,12 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
             # longer (whitespace, empty fields, list form, cache_control). Equal length: no drift.
             if size == len(node.body):
                 continue
-        elif orjson.dumps(msg) == node.body:
-            continue
+        else:
+            try:
+                if orjson.dumps(msg) == node.body:
+                    continue
+            except TypeError:  # not JSON orjson writes: nothing kvwarm could forward anyway
+                continue
         final = p == last and type(msg) is dict and msg.get("role") == "assistant"
         fixed = _repair_message(msg, node.body, final=final)
         if fixed is None:

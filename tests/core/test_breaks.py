@@ -256,11 +256,25 @@ def test_message_inserted(talked: Session) -> None:
 
 
 @pytest.mark.parametrize("dropped_turns", [1, 2])
-def test_truncated_head(talked: Session, dropped_turns: int) -> None:
+def test_history_pruned_after_the_system_prompt(talked: Session, dropped_turns: int) -> None:
     msgs = history(3)
     # the oldest turns dropped to fit the window, the system prompt kept
-    compacted = [msgs[0], *msgs[1 + 2 * dropped_turns :]]
-    assert brk(talked, *compacted, tools=TOOLS) == Break("truncated_head", 2, None)
+    pruned = [msgs[0], *msgs[1 + 2 * dropped_turns :]]
+    assert brk(talked, *pruned, tools=TOOLS) == Break("message_removed", 2, None)
+
+
+@pytest.mark.parametrize("dropped", [1, 3])
+def test_truncated_head(talked: Session, dropped: int) -> None:
+    msgs = history(3)
+    # the head summarised away, system prompt included: the request starts inside the chain
+    assert brk(talked, *msgs[dropped:], tools=TOOLS) == Break("truncated_head", 1, None)
+
+
+def test_a_message_found_in_another_chain_is_not_removed(talked: Session) -> None:
+    other = [system("another agent"), user("a"), assistant("b"), user("c"), assistant("d")]
+    talked.turn(make_chat(*other, user("elsewhere"), tools=TOOLS), assistant("x"))
+    b = brk(talked, *history(1), user("elsewhere"), assistant("x"), user("?"), tools=TOOLS)
+    assert b is not None and (b.reason, b.depth) == ("content_changed", 4)
 
 
 def test_new_role_without_a_stored_peer_is_a_new_branch(session: Session) -> None:

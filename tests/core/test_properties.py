@@ -361,3 +361,27 @@ def test_fast_paths_agree_with_the_normalizing_path(msg: dict[str, Any]) -> None
     identity = message_identity(msg)
     assert identity == message_identity(_forced_generic(msg))
     assert identity == message_identity(dict(reversed(list(msg.items()))))
+
+
+odd_messages = st.lists(
+    st.one_of(
+        json_values,
+        st.dictionaries(
+            st.sampled_from(["role", "content", "tool_calls", "tool_call_id", "name", "x"]),
+            json_values | st.sampled_from(["user", "assistant", "tool"]),
+            max_size=4,
+        ),
+    ),
+    max_size=6,
+)
+
+
+@FAST
+@given(first=odd_messages, second=odd_messages, tools=json_values)
+def test_odd_bodies_never_raise(first: list[Any], second: list[Any], tools: Any) -> None:
+    s = Session(policy=Policy(collapse_duplicates=True))
+    s.turn({"messages": first, "tools": tools}, None)
+    assert s.look({"messages": first, "tools": tools}).match.complete
+    t = s.turn({"messages": first + second, "tools": tools}, {"role": "assistant", "content": "x"})
+    assert s.look({"messages": first + second, "tools": tools}).match.complete
+    assert t.nodes[-1].generated
