@@ -36,8 +36,8 @@ from proxy.core.policy import Policy
 from proxy.core.repair import plan_repair
 from proxy.store.memory import MemoryStore
 from proxy.tokens import TokenCounter
-from tests.agents import args_python_dumps, tools_reordered
-from tests.bench.conversations import TOOLS, Message, chat_body, conversation
+from tests.agents import TOOLS, Drift, args_python_dumps, tools_reordered
+from tests.bench.conversations import Message, chat_body, conversation
 from tests.bench.measure import interleaved, median, ratio
 from tests.bench.report import Section, Table, kib, mark, us, x
 
@@ -70,8 +70,10 @@ def _drifted(messages: list[Message]) -> dict[str, Any]:
     """The re-sent part re-serialized the way a Python client does, tools reordered."""
     a = _previous_turn(messages)
     resent, fresh = copy.deepcopy(messages[: a + 1]), copy.deepcopy(messages[a + 1 :])
-    resent, tools = args_python_dumps(resent, copy.deepcopy(TOOLS), 1)
-    resent, tools = tools_reordered(resent, tools, 1)
+    tools = copy.deepcopy(TOOLS)
+    drifts: list[Drift] = [args_python_dumps, tools_reordered]
+    for drift in drifts:
+        resent, tools = drift(resent, tools, 1)
     return chat_body(resent + fresh, tools=tools)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import AsyncIterator
+from importlib import metadata
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -68,10 +69,10 @@ def create_passthrough(upstream: str) -> web.Application:
 
 def loop_kind() -> str:
     try:
-        import uvloop
-    except ImportError:
+        version = metadata.version("uvloop")
+    except metadata.PackageNotFoundError:
         return "asyncio"
-    return f"uvloop {uvloop.__version__}"
+    return f"uvloop {version}"
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

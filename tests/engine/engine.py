@@ -138,10 +138,15 @@ def run_engine(port: int | None = None, *, log_path: str | os.PathLike | None = 
     else:
         log = Path(log_path)
     root = f"http://127.0.0.1:{port}"
+    # ggml's OpenMP threads busy-wait by default; on a shared 2-core machine (the
+    # proxy, the client and other jobs run beside the engine) that turns
+    # oversubscription into 10x slower decoding. Passive waiting avoids it.
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             server_command(port, threads=threads, extra_args=extra_args), stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL, start_new_session=True, env=env,
         )
     try:
         deadline = time.monotonic() + timeout
