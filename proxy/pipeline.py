@@ -18,7 +18,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -36,7 +36,7 @@ from .core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
 from .errors import BodyTooLarge, ProxyError
 from .metrics import ProxyMetrics
 from .relay import DONE, RelayOutcome, is_event_stream, read_body, relay_events
-from .store.base import SessionTotals, TranscriptStore
+from .store.base import Node, SessionTotals, TranscriptStore
 from .tokens import TokenCounter
 from .upstream import UpstreamSender, forward_request_headers, forward_response_headers
 
@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 PREFIX_HEADER = "x-kvwarm-prefix"
 BREAK_HEADER = "x-kvwarm-break"
 CHAT_SUFFIX = "/chat/completions"
+INLINE_TOKENIZE_BYTES = 4096
+"""New node bodies up to this many bytes in all are tokenized on the event loop (~0.1 ms);
+larger ones in a worker thread."""
 
 
 @dataclass(slots=True, eq=False)
@@ -313,19 +316,26 @@ class Pipeline:
         if reply is not None and ex.client_gone:
             reply = Reply(message=reply.message, finish_reason=reply.finish_reason, partial=True, model=reply.model)
         message = reply.message if reply is not None and _has_output(reply.message) else None
-        nodes = await asyncio.to_thread(
-            new_nodes,
+        drafts = new_nodes(
             match,
             forwarded,
             message,
             generated_partial=bool(reply is not None and reply.partial),
             now=time.time(),
-            count_tokens=self.tokens.count_body,
+            count_tokens=len,
         )
-        self.store.insert(nodes)
+        nodes = [n for n in drafts if self.store.get(n.key) is None]
+        if nodes:
+            # Token counting is CPU work: inline for a typical turn's few small messages,
+            # in a worker thread when the new content is large (a first turn, a resume).
+            if sum(n.tokens for n in nodes) <= INLINE_TOKENIZE_BYTES:
+                nodes = self.count_tokens(nodes)
+            else:
+                nodes = await asyncio.to_thread(self.count_tokens, nodes)
+            self.store.insert(nodes)
         now = time.time()
         self.store.touch(match.keys[: match.matched], now)
-        leaf = nodes[-1].key if nodes else (match.keys[-1] if match.keys else None)
+        leaf = drafts[-1].key if drafts else (match.keys[-1] if match.keys else None)
         if leaf is None:
             return
         previous = next((k for k in reversed(match.keys[: match.matched]) if self.store.totals(k) is not None), None)
@@ -345,6 +355,10 @@ class Pipeline:
             updated=now,
         )
         self.store.add_turn(leaf, previous if previous != leaf else None, turn)
+
+    def count_tokens(self, nodes: list[Node]) -> list[Node]:
+        count = self.tokens.count_body
+        return [replace(n, tokens=count(n.body)) for n in nodes]
 
     def observe(self, ex: Exchange) -> None:
         """Metrics and the per-request log line."""
