@@ -26,6 +26,7 @@ from aiohttp import hdrs, web
 
 from .config import Settings
 from .core.breaks import Break, diagnose
+from .core.identity import IdentityMemo
 from .core.match import Match, match_request, new_nodes, tenant_root
 from .core.policy import Policy
 from .core.pricing import Cost, PriceTable, cost_of
@@ -115,6 +116,7 @@ class Pipeline:
             pin_patterns=settings.repair.pin_patterns,
         )
         self._roots: dict[str, bytes] = {}
+        self.memo = IdentityMemo()
 
     # -- the request path ---------------------------------------------------------------
 
@@ -164,7 +166,7 @@ class Pipeline:
         try:
             root = self.tenant_of(ex.request)
             stage = "match"
-            ex.match = match_request(ex.body, root, self.store, self.policy)
+            ex.match = match_request(ex.body, root, self.store, self.policy, self.memo)
             stage = "repair"
             ex.plan = plan_repair(ex.body, ex.match, self.policy)
             stage = "diagnose"

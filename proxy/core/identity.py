@@ -39,6 +39,7 @@ from .policy import PIN_MASK, Policy
 __all__ = [
     "RAW_ARGUMENTS",
     "REASONING_KEYS",
+    "IdentityMemo",
     "canonical_arguments",
     "canonical_message",
     "canonical_tool_call",
@@ -378,16 +379,77 @@ def canonical_message(msg: Mapping[str, Any], policy: Policy | None = None) -> d
 # -- identities ------------------------------------------------------------------------------
 
 
+class IdentityMemo:
+    """Identities of message serializations seen recently: exact bytes -> ``(identity, clean size)``.
+
+    Agents re-send the same messages every turn, so most of a request's messages were
+    identified before, in exactly these bytes. ``orjson.dumps`` of two JSON-parsed values
+    gives equal bytes only for equal values (same keys in the same order, same strings,
+    same numbers), so a hit is exact. Bounded by the bytes of the keys it holds; the
+    oldest entries go first. One memo serves one :class:`Policy` (pins change identities).
+    Owned by its caller (one per app); not thread-safe.
+    """
+
+    __slots__ = ("_entries", "_size", "max_bytes")
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self.max_bytes = max_bytes
+        self._entries: dict[bytes, tuple[bytes, int]] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, data: bytes) -> tuple[bytes, int] | None:
+        return self._entries.get(data)
+
+    def put(self, data: bytes, value: tuple[bytes, int]) -> None:
+        if len(data) > self.max_bytes // 16 or data in self._entries:
+            return
+        self._entries[data] = value
+        self._size += len(data)
+        entries = self._entries
+        while self._size > self.max_bytes:
+            oldest = next(iter(entries))
+            del entries[oldest]
+            self._size -= len(oldest)
+
+
 def identify_messages(
-    messages: Sequence[Any], policy: Policy | None = None
+    messages: Sequence[Any], policy: Policy | None = None, memo: IdentityMemo | None = None
 ) -> tuple[list[bytes], list[int]]:
     """Identities of ``messages`` and their clean sizes (see :func:`identify_message`), in one pass.
 
     The loop is the hot path of every request, so the common shapes are handled inline:
-    a clean message is hashed from ``orjson.dumps(msg, OPT_SORT_KEYS)``; one whose only
-    drift-prone field is edge whitespace of a string ``content`` from the same with the
-    content stripped. Both give exactly the bytes :func:`canonical_message` would.
+    a message whose exact bytes are in ``memo`` costs one unsorted ``orjson.dumps`` and a
+    dict lookup; a clean message is hashed from ``orjson.dumps(msg, OPT_SORT_KEYS)``; one
+    whose only drift-prone field is edge whitespace of a string ``content`` from the same
+    with the content stripped. Both give exactly the bytes :func:`canonical_message` would.
     """
+    if memo is None:
+        return _identify_messages(messages, policy)
+    ids: list[bytes] = []
+    sizes: list[int] = []
+    dumps = orjson.dumps
+    for msg in messages:
+        try:
+            data = dumps(msg)
+        except TypeError:
+            data = None
+        hit = memo.get(data) if data is not None else None
+        if hit is None:
+            one_id, one_size = _identify_messages((msg,), policy)
+            hit = (one_id[0], one_size[0])
+            if data is not None:
+                memo.put(data, hit)
+        ids.append(hit[0])
+        sizes.append(hit[1])
+    return ids, sizes
+
+
+def _identify_messages(
+    messages: Sequence[Any], policy: Policy | None = None
+) -> tuple[list[bytes], list[int]]:
     ids: list[bytes] = []
     sizes: list[int] = []
     pinned = policy if policy is not None and policy.pin_patterns else None

@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from ..store.base import ROLE_TOOLS, Node, NodeReader
-from .identity import identify_messages, message_identity, tools_identity
+from .identity import IdentityMemo, identify_messages, message_identity, tools_identity
 from .policy import Policy
 
 __all__ = ["Match", "chain", "match_request", "new_nodes", "tenant_root", "tool_groups"]
@@ -157,13 +157,22 @@ def _stored_order(
     return path if walk(parent, members) else None
 
 
-def match_request(body: Mapping[str, Any], root: bytes, store: NodeReader, policy: Policy) -> Match:
-    """Identify every element, chain the keys and find the longest stored prefix."""
+def match_request(
+    body: Mapping[str, Any],
+    root: bytes,
+    store: NodeReader,
+    policy: Policy,
+    memo: IdentityMemo | None = None,
+) -> Match:
+    """Identify every element, chain the keys and find the longest stored prefix.
+
+    ``memo`` (optional, one per policy) remembers identities by exact message bytes.
+    """
     raw_messages = body.get("messages")
     messages: list[Any] = raw_messages if type(raw_messages) is list else []
     n = len(messages)
 
-    msg_ids, sizes = identify_messages(messages, policy)
+    msg_ids, sizes = identify_messages(messages, policy, memo)
 
     get = store.get
     blake2b = hashlib.blake2b
