@@ -416,7 +416,10 @@ class IdentityMemo:
 
 
 def identify_messages(
-    messages: Sequence[Any], policy: Policy | None = None, memo: IdentityMemo | None = None
+    messages: Sequence[Any],
+    policy: Policy | None = None,
+    memo: IdentityMemo | None = None,
+    dumped: list[bytes | None] | None = None,
 ) -> tuple[list[bytes], list[int]]:
     """Identities of ``messages`` and their clean sizes (see :func:`identify_message`), in one pass.
 
@@ -425,18 +428,22 @@ def identify_messages(
     dict lookup; a clean message is hashed from ``orjson.dumps(msg, OPT_SORT_KEYS)``; one
     whose only drift-prone field is edge whitespace of a string ``content`` from the same
     with the content stripped. Both give exactly the bytes :func:`canonical_message` would.
+    With a memo, ``dumped`` (when given) receives each message's ``orjson.dumps`` bytes
+    (None where orjson cannot write it), so that later stages need not serialize again.
     """
     if memo is None:
         return _identify_messages(messages, policy)
     ids: list[bytes] = []
     sizes: list[int] = []
+    keep = dumped.append if dumped is not None else None
     dumps = orjson.dumps
+    lookup = memo._entries.get
     for msg in messages:
         try:
-            data = dumps(msg)
+            data: bytes | None = dumps(msg)
         except TypeError:
             data = None
-        hit = memo.get(data) if data is not None else None
+        hit = lookup(data) if data is not None else None
         if hit is None:
             one_id, one_size = _identify_messages((msg,), policy)
             hit = (one_id[0], one_size[0])
@@ -444,6 +451,8 @@ def identify_messages(
                 memo.put(data, hit)
         ids.append(hit[0])
         sizes.append(hit[1])
+        if keep is not None:
+            keep(data)
     return ids, sizes
 
 

@@ -68,6 +68,8 @@ class Match:
     clean_sizes: tuple[int, ...] = ()
     """Per forwarded element: ``len(orjson.dumps(element))`` when it needed no normalization, else -1.
     Lets repair prove "unchanged" without serializing the element again."""
+    dumped: tuple[bytes | None, ...] = ()
+    """Per forwarded element (when an identity memo was used): its ``orjson.dumps`` bytes, or None."""
 
     @property
     def complete(self) -> bool:
@@ -172,7 +174,8 @@ def match_request(
     messages: list[Any] = raw_messages if type(raw_messages) is list else []
     n = len(messages)
 
-    msg_ids, sizes = identify_messages(messages, policy, memo)
+    dumped: list[bytes | None] | None = [] if memo is not None else None
+    msg_ids, sizes = identify_messages(messages, policy, memo, dumped)
 
     get = store.get
     blake2b = hashlib.blake2b
@@ -239,6 +242,7 @@ def match_request(
         nodes=tuple(nodes),
         policy=policy,
         clean_sizes=(-1, *[sizes[r] for r in order]),
+        dumped=(None, *[dumped[r] for r in order]) if dumped is not None else (),
     )
 
 

@@ -86,6 +86,7 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
     last = len(order) - 1
     nodes = match.nodes
     sizes = match.clean_sizes
+    dumped = match.dumped
     for p in range(min(match.matched - 1, len(order))):
         msg = messages[order[p]]
         node = nodes[p + 1]
@@ -97,8 +98,9 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
             if size == len(node.body):
                 continue
         else:
+            data = dumped[p + 1] if p + 1 < len(dumped) else None
             try:
-                if orjson.dumps(msg) == node.body:
+                if (data if data is not None else orjson.dumps(msg)) == node.body:
                     continue
             except TypeError:  # not JSON orjson writes: nothing kvwarm could forward anyway
                 continue
