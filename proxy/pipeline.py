@@ -116,6 +116,10 @@ class Pipeline:
             pin_patterns=settings.repair.pin_patterns,
         )
         self._roots: dict[str, bytes] = {}
+        self.upstream_reports_timings = False
+        """Set once a response carried llama.cpp's ``timings`` block. Such an upstream reports
+        cached and prefilled tokens in every stream's finish chunk, so kvwarm stops adding
+        ``include_usage`` (which would move ``timings`` into the usage chunk it hides)."""
         self.memo = IdentityMemo()
 
     # -- the request path ---------------------------------------------------------------
@@ -193,7 +197,11 @@ class Pipeline:
             return ex.raw_body
         repaired = ex.plan.body if ex.plan is not None else None
         options = ex.body.get("stream_options")
-        needs_usage = ex.stream and not (isinstance(options, dict) and options.get("include_usage") is True)
+        needs_usage = (
+            ex.stream
+            and not self.upstream_reports_timings
+            and not (isinstance(options, dict) and options.get("include_usage") is True)
+        )
         if needs_usage and (options is None or isinstance(options, dict)):
             ex.usage_injected = True
             if repaired is None and options is None:
@@ -255,6 +263,8 @@ class Pipeline:
             payload = orjson.loads(data)
             if isinstance(payload, dict):
                 ex.usage = extract_usage(payload)
+                if "timings" in payload:
+                    self.upstream_reports_timings = True
                 ex.reply = reply_from_body(payload)
         except Exception:
             log.debug("response body is not a chat completion", exc_info=True)
@@ -274,6 +284,8 @@ class Pipeline:
             return True
         try:
             ex.usage = merge_usage(ex.usage, extract_usage(chunk))
+            if "timings" in chunk:
+                self.upstream_reports_timings = True
             assembler.feed(chunk)
         except Exception:
             log.exception("observing a stream chunk failed")

