@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -95,3 +97,23 @@ async def openai_client() -> AsyncIterator[Callable[..., Any]]:
 
 def app_of(server: TestServer) -> web.Application:
     return server.app
+
+
+def poster(
+    server: TestServer, key: str = "sk-alice", headers: dict[str, str] | None = None
+) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
+    """An agent's ``post``: one chat request to ``server`` with ``key``; the response JSON with
+    its headers under ``"_headers"``. A non-200 status fails the test."""
+
+    async def post(body: dict[str, Any]) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s, s.post(
+            server.make_url("/v1/chat/completions"),
+            data=orjson.dumps(body),
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json", **(headers or {})},
+        ) as r:
+            assert r.status == 200, await r.text()
+            data: dict[str, Any] = await r.json()
+            data["_headers"] = dict(r.headers)
+            return data
+
+    return post

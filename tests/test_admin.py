@@ -24,23 +24,12 @@ from proxy.app import create_app
 from proxy.core import transcript_md
 from proxy.core.match import tenant_root
 from proxy.errors import AdminUnauthorized
-from tests.agents import Agent, Post
-from tests.conftest import ProxyFactory, proxy_settings, sim_url, store_of
+from tests.agents import Agent
+from tests.conftest import ProxyFactory, poster, proxy_settings, sim_url, store_of
 
 SECRET = b"s" * 32
 
 
-def poster(server: TestServer, key: str) -> Post:
-    async def post(body: dict[str, Any]) -> dict[str, Any]:
-        async with aiohttp.ClientSession() as s, s.post(
-            server.make_url("/v1/chat/completions"), data=orjson.dumps(body),
-            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-        ) as r:
-            assert r.status == 200, await r.text()
-            data: dict[str, Any] = await r.json()
-            return data
-
-    return post
 
 
 async def get(server: TestServer, path: str, **headers: str) -> tuple[int, bytes, str]:

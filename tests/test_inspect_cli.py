@@ -16,7 +16,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 from aiohttp.test_utils import TestServer
@@ -31,8 +30,8 @@ from proxy.sim.render import render_tokens
 from proxy.store.base import Node, SessionTotals
 from proxy.store.memory import MemoryStore
 from proxy.store.sqlite import SqliteStore
-from tests.agents import Agent, Post, args_keys_reordered, tools_reordered
-from tests.conftest import ProxyFactory, received
+from tests.agents import Agent, args_keys_reordered, tools_reordered
+from tests.conftest import ProxyFactory, poster, received
 
 SECRET = "shared-server-secret"
 
@@ -43,18 +42,6 @@ def drift(msgs: Any, tools: Any, turn: int) -> Any:
     return args_keys_reordered(msgs, tools, turn)
 
 
-def poster(server: TestServer, key: str = "sk-alice") -> Post:
-    async def post(body: dict[str, Any]) -> dict[str, Any]:
-        async with aiohttp.ClientSession() as s, s.post(
-            server.make_url("/v1/chat/completions"), data=orjson.dumps(body),
-            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-        ) as r:
-            assert r.status == 200, await r.text()
-            data: dict[str, Any] = await r.json()
-            data["_headers"] = dict(r.headers)
-            return data
-
-    return post
 
 
 def cli_settings(db: Path, secret: str = "") -> Settings:

@@ -25,8 +25,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DIR = Path(

@@ -25,7 +25,16 @@ from typing import Any
 import aiohttp
 import orjson
 
-from tests.agents import TOOLS, Agent, Drift, args_keys_reordered, no_drift, resumed, schema_keys_shuffled, tools_reordered
+from tests.agents import (
+    TOOLS,
+    Agent,
+    Drift,
+    args_keys_reordered,
+    no_drift,
+    resumed,
+    schema_keys_shuffled,
+    tools_reordered,
+)
 
 SYSTEM = (
     "You are a coding agent. Answer in one short sentence. Use the tools when you need files.\n"

