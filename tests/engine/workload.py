@@ -30,8 +30,9 @@ from tests.agents import (
     Agent,
     Drift,
     args_keys_reordered,
+    args_python_dumps,
+    content_as_parts,
     no_drift,
-    resumed,
     schema_keys_shuffled,
     tools_reordered,
 )
@@ -61,6 +62,17 @@ def timestamp_drift(msgs: list[dict[str, Any]], tools: list[dict[str, Any]], tur
     stamp = f"2026-11-22T10:{turn:02d}:{(turn * 17) % 60:02d}Z"
     if msgs and msgs[0]["role"] == "system":
         msgs[0]["content"] = f"Current time: {stamp}\n" + msgs[0]["content"].split("\n", 1)[1]
+    return msgs, tools
+
+
+def resumed(msgs: list[dict[str, Any]], tools: list[dict[str, Any]], turn: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """From turn 2 on, the history comes back through another serializer: arguments by Python's
+    json.dumps, texts as one-part lists. (The generic resume drift also adds ``"name": null``,
+    which llama.cpp rejects with a 400 whether kvwarm is there or not.)"""
+    if turn < 2:
+        return msgs, tools
+    for fn in (args_python_dumps, content_as_parts):
+        msgs, tools = fn(msgs, tools, turn)
     return msgs, tools
 
 
