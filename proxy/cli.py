@@ -166,11 +166,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 def _admin_command(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        from . import inspect_cli
+        from .inspect_cli import run as run_inspect
 
         settings = settings_from(args)
         configure_logging("WARNING")
-        return inspect_cli.run(name, args, settings)
+        return run_inspect(name, args, settings)
 
     return run
 

@@ -76,7 +76,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -167,6 +167,9 @@ class ProxyMetrics:
         self._models = _BoundedLabel(max(0, max_models))
         self._kinds = _BoundedLabel(_MAX_VOCABULARY)
         self._reasons = _BoundedLabel(_MAX_VOCABULARY)
+        # labels() validates and locks on every call; the label sets are bounded, so the
+        # children are looked up once and kept (this is on every request's path).
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, labels, registry=registry)
@@ -285,6 +288,14 @@ class ProxyMetrics:
         for stage in ERROR_STAGES:
             self.errors.labels(stage=stage)
 
+    def _child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, cached."""
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def model_label(self, model: str | None) -> str:
         """The ``model`` label value: bounded to ``max_models`` names, the rest ``"other"``."""
         if not isinstance(model, str) or not model.strip():
@@ -306,53 +317,53 @@ class ProxyMetrics:
         label = self.model_label(model)
         streamed = "true" if stream else "false"
         status_class = _status_class(status)
-        self.requests.labels(model=label, status=status_class, stream=streamed).inc()
-        self.request_duration.labels(model=label, stream=streamed).observe(max(0.0, duration))
+        self._child(self.requests, label, status_class, streamed).inc()
+        self._child(self.request_duration, label, streamed).observe(max(0.0, duration))
         if ttfb is not None:
-            self.upstream_ttfb.labels(model=label, stream=streamed).observe(max(0.0, ttfb))
+            self._child(self.upstream_ttfb, label, streamed).observe(max(0.0, ttfb))
         if usage is None:
             if status_class == "2xx":
-                self.usage_missing.labels(model=label).inc()
+                self._child(self.usage_missing, label).inc()
         else:
             self._observe_usage(label, usage)
         if cost is not None:
             if cost.usd is None:
-                self.unpriced_requests.labels(model=label).inc()
+                self._child(self.unpriced_requests, label).inc()
             else:
                 source = "billed" if cost.billed else "estimated"
-                self.cost_usd.labels(model=label, source=source).inc(max(0.0, cost.usd))
+                self._child(self.cost_usd, label, source).inc(max(0.0, cost.usd))
 
     def _observe_usage(self, label: str, usage: Usage) -> None:
         prompt = usage.prompt_tokens
         if prompt and prompt > 0:
-            self.prompt_tokens.labels(model=label).inc(prompt)
+            self._child(self.prompt_tokens, label).inc(prompt)
         if usage.completion_tokens and usage.completion_tokens > 0:
-            self.completion_tokens.labels(model=label).inc(usage.completion_tokens)
+            self._child(self.completion_tokens, label).inc(usage.completion_tokens)
         if usage.reasoning_tokens and usage.reasoning_tokens > 0:
-            self.reasoning_tokens.labels(model=label).inc(usage.reasoning_tokens)
+            self._child(self.reasoning_tokens, label).inc(usage.reasoning_tokens)
         if usage.cache_write_tokens and usage.cache_write_tokens > 0:
-            self.cache_write_tokens.labels(model=label).inc(usage.cache_write_tokens)
+            self._child(self.cache_write_tokens, label).inc(usage.cache_write_tokens)
         cached = usage.cached_tokens
         if cached is None or prompt is None:
             # Without both numbers the response says nothing about the hit ratio.
-            self.usage_unknown_cache.labels(model=label).inc()
+            self._child(self.usage_unknown_cache, label).inc()
             return
         cached = min(max(cached, 0), max(prompt, 0))
-        self.cached_prompt_tokens.labels(model=label).inc(cached)
-        self.cache_known_prompt_tokens.labels(model=label).inc(prompt)
+        self._child(self.cached_prompt_tokens, label).inc(cached)
+        self._child(self.cache_known_prompt_tokens, label).inc(prompt)
         if prompt > 0:
-            self.cache_hit_ratio.labels(model=label).observe(cached / prompt)
+            self._child(self.cache_hit_ratio, label).observe(cached / prompt)
 
     def observe_repairs(self, kinds: Iterable[str], rescued_tokens: int, model: str) -> None:
         """Count the repairs of one request (one per repaired element, by kind) and the tokens rescued."""
         for kind in kinds:
-            self.repairs.labels(kind=self._kinds(str(kind)[:_MAX_LABEL_LEN])).inc()
+            self._child(self.repairs, self._kinds(str(kind)[:_MAX_LABEL_LEN])).inc()
         if rescued_tokens > 0:
-            self.repair_rescued_tokens.labels(model=self.model_label(model)).inc(rescued_tokens)
+            self._child(self.repair_rescued_tokens, self.model_label(model)).inc(rescued_tokens)
 
     def observe_break(self, reason: str) -> None:
         """Count one prefix break by its diagnosed reason."""
-        self.prefix_breaks.labels(reason=self._reasons(str(reason)[:_MAX_LABEL_LEN])).inc()
+        self._child(self.prefix_breaks, self._reasons(str(reason)[:_MAX_LABEL_LEN])).inc()
 
     def observe_match(self, matched: int, total: int) -> None:
         """Count a request's messages and how many of them were inside the matched prefix."""
@@ -363,7 +374,7 @@ class ProxyMetrics:
 
     def error(self, stage: str) -> None:
         """Count one error of a pipeline stage (see :data:`ERROR_STAGES`)."""
-        self.errors.labels(stage=stage if stage in ERROR_STAGES else OTHER).inc()
+        self._child(self.errors, stage if stage in ERROR_STAGES else OTHER).inc()
 
     @contextmanager
     def inflight(self) -> Iterator[None]:
