@@ -207,6 +207,7 @@ def _record_costs(table: Table, root: bytes, seconds: float) -> None:
         table.add(label, us(t / count), us(t / (total / 1024)), x(ratio(t, loads)))
     table.notes.append(
         f"{count} nodes, {kib(total)} of node bodies (mean {total / count / 1024:.1f} KiB). "
-        "The pipeline runs `new_nodes` with token counting in a worker thread after the "
-        "response; an agent's steady-state turn records 2-3 nodes."
+        "The pipeline records before the response's last bytes: nodes already stored are skipped, "
+        "up to 4 KiB of new bodies are tokenized inline, more in a worker thread; an agent's "
+        "steady-state turn records 2-3 small nodes."
     )
