@@ -8,6 +8,8 @@ Library errors become :class:`~proxy.errors.UpstreamUnreachable` (502) or
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -18,6 +20,18 @@ from yarl import URL
 
 from .config import UpstreamSettings
 from .errors import UpstreamTimeout, UpstreamUnreachable
+
+log = logging.getLogger(__name__)
+
+_STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
+
+
+def _stale_connection(exc: aiohttp.ClientError) -> bool:
+    """A disconnect that means "this connection was dead", not "the upstream is unreachable"."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError) and exc.errno in _STALE_ERRNOS
+
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -105,21 +119,34 @@ class Upstream:
     async def send(
         self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
     ) -> aiohttp.ClientResponse:
-        """Send and wait for the response headers; the body is read by the caller."""
-        try:
-            return await self._session.request(
-                method,
-                self.url_for(path, query),
-                headers=headers,
-                data=body if body else None,
-                timeout=self._timeout,
-                allow_redirects=False,
-                auto_decompress=True,
-            )
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise UpstreamTimeout(f"the upstream did not answer in time: {exc}") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"the upstream could not be reached: {type(exc).__name__}") from exc
+        """Send and wait for the response headers; the body is read by the caller.
+
+        A pooled connection the upstream closed while idle (llama.cpp and uvicorn-based servers
+        such as vLLM close keep-alive connections after 5 s) fails with a disconnect before any
+        response byte: the request is sent once more, on a fresh connection.
+        """
+        url = self.url_for(path, query)
+        for attempt in range(2):
+            try:
+                return await self._session.request(
+                    method,
+                    url,
+                    headers=headers,
+                    data=body if body else None,
+                    timeout=self._timeout,
+                    allow_redirects=False,
+                    auto_decompress=True,
+                )
+            except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+                raise UpstreamTimeout(f"the upstream did not answer in time: {exc}") from exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if attempt == 0 and _stale_connection(exc):
+                    log.debug("upstream closed a pooled connection (%s); retrying once", type(exc).__name__)
+                    continue
+                raise UpstreamUnreachable(f"the upstream could not be reached: {type(exc).__name__}") from exc
+            except aiohttp.ClientError as exc:
+                raise UpstreamUnreachable(f"the upstream could not be reached: {type(exc).__name__}") from exc
+        raise AssertionError("unreachable")
 
     async def read_chunk(self, response: aiohttp.ClientResponse) -> bytes:
         """The next body chunk as it arrives (b"" at the end), within the idle timeout."""

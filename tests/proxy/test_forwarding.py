@@ -245,3 +245,57 @@ async def test_llamacpp_timings_stop_usage_injection(make_proxy: ProxyFactory, a
     assert "stream_options" not in bodies[1]  # then it knows timings will come anyway
     assert b'"timings"' in seen[1] and b'"usage"' not in seen[1]
     assert b'"usage"' not in seen[0]  # the client never sees usage it did not ask for
+
+
+class KeepAliveCloser:
+    """A raw HTTP/1.1 upstream: answers the first request of a connection, then reads the next
+    one and hangs up without answering (an idle keep-alive close racing a reused connection)."""
+
+    def __init__(self, always_close: bool = False) -> None:
+        self.always_close = always_close
+        self.received = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        served = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+                await reader.readexactly(length)
+                self.received += 1
+                if served >= 1 or self.always_close:
+                    break  # hang up without a response
+                body = b'{"ok":true}'
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+                served += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+
+async def test_a_pooled_connection_closed_by_the_upstream_is_retried_once(make_proxy: ProxyFactory, unused_tcp_port: int) -> None:
+    upstream = KeepAliveCloser()
+    server = await asyncio.start_server(upstream.handle, "127.0.0.1", unused_tcp_port)
+    try:
+        proxy = await make_proxy(f"http://127.0.0.1:{unused_tcp_port}/v1")
+        for _ in range(2):
+            status, _, body = await post(proxy, "/v1/embeddings", b'{"input":"x"}')
+            assert (status, orjson.loads(body)) == (200, {"ok": True})
+        assert upstream.received == 3  # the second request went out twice: dead connection, then fresh
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_an_upstream_that_always_hangs_up_is_502_after_one_retry(make_proxy: ProxyFactory, unused_tcp_port: int) -> None:
+    upstream = KeepAliveCloser(always_close=True)
+    server = await asyncio.start_server(upstream.handle, "127.0.0.1", unused_tcp_port)
+    try:
+        proxy = await make_proxy(f"http://127.0.0.1:{unused_tcp_port}/v1")
+        status, _, body = await post(proxy, "/v1/embeddings", b'{"input":"x"}')
+        assert status == 502 and orjson.loads(body)["error"]["code"] == "upstream_unreachable"
+        assert upstream.received == 2
+    finally:
+        server.close()
+        await server.wait_closed()
