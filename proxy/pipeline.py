@@ -132,7 +132,13 @@ class Pipeline:
                 self.parse(ex)
                 if ex.body is not None:
                     self.fingerprint(ex)
-                ex.forward_body = self.forward_bytes(ex)
+                try:
+                    ex.forward_body = self.forward_bytes(ex)
+                except Exception:
+                    log.exception("building the forwarded body failed; forwarding the request unchanged")
+                    self.metrics.error("repair")
+                    ex.failed.append("repair")
+                    ex.forward_body, ex.plan, ex.usage_injected = ex.raw_body, None, False
                 return await self.forward(ex)
             finally:
                 if ex.body is not None:

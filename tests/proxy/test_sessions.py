@@ -145,3 +145,25 @@ async def test_failing_store_writes_still_serve_the_response(sim: TestServer, ma
     turns = await Agent(poster(proxy)).run(2)
     assert all(t.response["choices"][0]["message"] for t in turns)
     assert metric(proxy, "kvwarm_errors_total", stage="record") == 2
+
+
+async def test_a_failing_serialization_forwards_the_original_bytes(sim: TestServer, make_proxy: ProxyFactory, monkeypatch: Any) -> None:
+    import proxy.pipeline
+
+    proxy_server = await make_proxy(sim)
+    agent = Agent(poster(proxy_server), drift=args_keys_reordered)
+    await agent.run(2)
+
+    def explode(*args: Any, **kwargs: Any) -> bytes:
+        raise TypeError("cannot serialize")
+
+    class PipelineJSON:  # the pipeline's view of orjson: parsing works, serializing fails
+        loads = staticmethod(orjson.loads)
+        dumps = staticmethod(explode)
+        JSONDecodeError = orjson.JSONDecodeError
+
+    monkeypatch.setattr(proxy.pipeline, "orjson", PipelineJSON)
+    turn = await agent.step()  # drifted: repair planned, serialization fails, original bytes go
+    monkeypatch.undo()
+    assert received(sim)[-1].body == orjson.dumps(turn.request)
+    assert metric(proxy_server, "kvwarm_errors_total", stage="repair") == 1
