@@ -449,8 +449,16 @@ class Pipeline:
 _NULL_USAGE = re.compile(rb',[ \t]*"usage"[ \t]*:[ \t]*null(?=[ \t]*[,}])|"usage"[ \t]*:[ \t]*null[ \t]*,[ \t]*')
 
 
+_NULL_USAGE_TAIL = b',"usage":null}'
+
+
 def _without_null_usage(raw: bytes, chunk: dict[str, Any]) -> bytes | bool:
     """``raw`` minus its top-level ``"usage": null`` member, the rest byte for byte; True (as is) if unsure."""
+    line = raw.rstrip(b"\r\n")
+    if line.endswith(_NULL_USAGE_TAIL) and line.startswith(b"data:") and b"\n" not in line and b"\r" not in line:
+        # The common shape (OpenAI, vLLM): the member closes a one-line object. Just before the
+        # object's final brace it can only be a top-level member: a nested object would end in "}}".
+        return line[: -len(_NULL_USAGE_TAIL)] + b"}" + raw[len(line) :]
     stripped, n = _NULL_USAGE.subn(b"", raw, count=1)
     if n != 1:
         return True
