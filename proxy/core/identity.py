@@ -390,12 +390,30 @@ class IdentityMemo:
     Owned by its caller (one per app); not thread-safe.
     """
 
-    __slots__ = ("_entries", "_size", "max_bytes")
+    __slots__ = ("_entries", "_size", "_tools", "max_bytes")
+
+    MAX_TOOL_SETS = 256
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
         self.max_bytes = max_bytes
         self._entries: dict[bytes, tuple[bytes, int]] = {}
         self._size = 0
+        self._tools: dict[bytes, bytes] = {}
+
+    def tools_identity(self, tools: Any) -> bytes:
+        """:func:`tools_identity`, remembered by the exact bytes of the array (agents send the
+        same tools every turn)."""
+        try:
+            data = orjson.dumps(tools)
+        except TypeError:
+            return tools_identity(tools)
+        ident = self._tools.get(data)
+        if ident is None:
+            ident = tools_identity(tools)
+            if len(self._tools) >= self.MAX_TOOL_SETS:
+                del self._tools[next(iter(self._tools))]
+            self._tools[data] = ident
+        return ident
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -179,7 +179,8 @@ def match_request(
 
     get = store.get
     blake2b = hashlib.blake2b
-    tools_id = tools_identity(body.get("tools"))
+    tools = body.get("tools")
+    tools_id = memo.tools_identity(tools) if memo is not None else tools_identity(tools)
     parent = blake2b(root + tools_id, digest_size=16).digest()
     node = get(parent)
     matching = node is not None

@@ -61,3 +61,16 @@ def test_memo_is_bounded_by_bytes() -> None:
         identify_messages([{"role": "user", "content": f"message number {i} " * 5}], Policy(), memo)
     assert 0 < len(memo) < 500
     assert memo._size <= 10_000
+
+
+def test_tools_memo_equals_fresh_identity_and_sees_drift() -> None:
+    from proxy.core.identity import tools_identity
+    from tests.agents import TOOLS, schema_keys_shuffled, tools_reordered
+
+    memo = IdentityMemo()
+    for tools in (TOOLS, None, [], tools_reordered([], copy.deepcopy(TOOLS), 1)[1], schema_keys_shuffled([], copy.deepcopy(TOOLS), 3)[1]):
+        assert memo.tools_identity(tools) == tools_identity(tools)
+        assert memo.tools_identity(copy.deepcopy(tools)) == tools_identity(tools)  # a hit
+    changed = copy.deepcopy(TOOLS)
+    changed[0]["function"]["description"] += "!"
+    assert memo.tools_identity(changed) != memo.tools_identity(TOOLS)
