@@ -50,7 +50,7 @@ from . import sessions
 from .appkeys import SETTINGS, STORE
 from .config import Settings
 from .core import transcript_md
-from .core.match import tenant_root
+from .core.match import tenant_credential, tenant_root
 from .errors import AdminBadRequest, AdminUnauthorized, SessionNotFound
 
 __all__ = ["Access", "AdminUnauthorized", "add_admin_routes", "decide_access", "is_loopback"]
@@ -97,7 +97,7 @@ def decide_access(remote: str | None, headers: Mapping[str, str], settings: Sett
         return Access(None, "admin-token")
     local = is_loopback(remote) and not any(h in headers for h in PROXY_HEADERS)
     tenant_header = settings.store.tenant_header
-    credential = headers.get(tenant_header or hdrs.AUTHORIZATION, "")
+    credential = tenant_credential(headers, tenant_header)
     if credential:
         if local or (token and not tenant_header and not settings.upstream.api_key):
             return Access(tenant_root(secret, credential), "tenant")

@@ -22,12 +22,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
-from aiohttp import hdrs, web
+from aiohttp import web
 
 from .config import Settings
 from .core.breaks import Break, diagnose
 from .core.identity import IdentityMemo
-from .core.match import Match, match_request, new_nodes, tenant_root
+from .core.match import Match, match_request, new_nodes, tenant_credential, tenant_root
 from .core.policy import Policy
 from .core.pricing import Cost, PriceTable, cost_of
 from .core.record import Reply, ReplyAssembler, reply_from_body
@@ -188,8 +188,7 @@ class Pipeline:
             ex.match = ex.plan = ex.brk = None
 
     def tenant_of(self, request: web.Request) -> bytes:
-        header = self.settings.store.tenant_header or hdrs.AUTHORIZATION
-        credential = request.headers.get(header, "")
+        credential = tenant_credential(request.headers, self.settings.store.tenant_header)
         root = self._roots.get(credential)
         if root is None:
             if len(self._roots) > 10_000:

@@ -36,6 +36,12 @@ _PERMUTATION_BUDGET = 256
 """Most store lookups spent looking for the stored order of one tool-result group."""
 
 
+def tenant_credential(headers: Mapping[str, str], tenant_header: str = "") -> str:
+    """The value that names a request's tenant: the configured tenant header, else ``Authorization``
+    (``""`` when absent: the anonymous tenant). The proxy and the admin API both key tenants by it."""
+    return headers.get(tenant_header or "Authorization", "")
+
+
 def tenant_root(secret: bytes, credential: str) -> bytes:
     """``c_{-1}`` of a tenant: HMAC-SHA256(secret, credential), 16 bytes. ``""`` is the anonymous tenant."""
     mac = hmac.new(secret, credential.encode("utf-8", "surrogatepass"), hashlib.sha256)
