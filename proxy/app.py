@@ -108,7 +108,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         raise
     app[PIPELINE] = Pipeline(settings, Upstream(session, settings.upstream), store, app[METRICS], app[PRICES], tokens)
     maintenance = asyncio.create_task(_maintain(app), name="kvwarm-maintenance")
-    app[METRICS].set_store(store.stats())
+    app[METRICS].track_store(store.stats)
     app[READY].set()
     log.info("kvwarm %s ready: upstream %s, store %s", __version__, settings.upstream.base_url, settings.store.backend)
     try:
@@ -124,13 +124,12 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _maintain(app: web.Application) -> None:
-    """Evict expired and over-budget nodes, and refresh the store gauges."""
+    """Evict expired and over-budget nodes (the store gauges are read at scrape time)."""
     store, metrics = app[STORE], app[METRICS]
     while True:
         await asyncio.sleep(MAINTENANCE_INTERVAL)
         try:
             store.evict(time.time())
-            metrics.set_store(store.stats())
         except Exception:
             log.exception("store maintenance failed")
             metrics.error("store")
@@ -152,7 +151,5 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
-    app = request.app
-    app[METRICS].set_store(app[STORE].stats())
-    body = generate_latest(app[REGISTRY])
+    body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -106,10 +106,6 @@ class Upstream:
             sock_read=settings.first_byte_timeout,
         )
 
-    @property
-    def base_url(self) -> URL:
-        return self._base
-
     def url_for(self, path: str, query: str) -> URL:
         """``/v1/chat/completions`` -> ``<base_url>/chat/completions`` (the base carries its own /v1)."""
         tail = path[3:] if path.startswith("/v1/") or path == "/v1" else path
