@@ -62,9 +62,11 @@ async def test_fifty_concurrent_sessions_with_forks_keep_their_own_transcripts(m
     for w, c in zip(warm, clean, strict=True):
         for tw, tc in zip(w.turns, c.turns, strict=True):
             assert tw.response["choices"][0]["message"] == tc.response["choices"][0]["message"]
-        # Every re-sent message was found: no node lost.
+        # Every re-sent message was found: no node lost. (A fork may match more than it re-sent:
+        # a sibling that got there first already stored the same next messages.)
         for t in w.turns[1:]:
-            assert t.response["_headers"]["x-kvwarm-prefix"].startswith(f"matched={t.resent}/")
+            matched = int(t.response["_headers"]["x-kvwarm-prefix"].split("matched=")[1].split("/")[0])
+            assert matched >= t.resent
     # What the upstream received through kvwarm is, per session, what a clean client sends.
     want = sorted(orjson.dumps(render_tokens(b["messages"], b.get("tools"))) for b in forwarded(clean_sim))
     got = sorted(orjson.dumps(render_tokens(b["messages"], b.get("tools"))) for b in forwarded(kv_sim))
