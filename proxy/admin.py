@@ -50,8 +50,9 @@ from . import sessions
 from .appkeys import SETTINGS, STORE
 from .config import Settings
 from .core import transcript_md
-from .core.match import tenant_credential, tenant_root
+from .core.model import tenant_root
 from .errors import AdminBadRequest, AdminUnauthorized, SessionNotFound
+from .tenancy import tenant_credential
 
 __all__ = ["Access", "AdminUnauthorized", "add_admin_routes", "decide_access", "is_loopback"]
 

@@ -27,7 +27,8 @@ from aiohttp import web
 from .config import Settings
 from .core.breaks import Break, diagnose
 from .core.identity import IdentityMemo
-from .core.match import Match, match_request, new_nodes, tenant_credential, tenant_root
+from .core.match import Match, match_request, new_nodes, tenant_root
+from .tenancy import tenant_credential
 from .core.policy import Policy
 from .core.pricing import Cost, PriceTable, cost_of
 from .core.record import Reply, ReplyAssembler, reply_from_body

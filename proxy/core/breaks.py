@@ -36,9 +36,9 @@ from typing import Any
 
 import orjson
 
-from ..store.base import Node, NodeReader
 from .identity import REASONING_KEYS, canonical_tool_definition, is_text_part, message_identity
-from .match import Match, chain
+from .match import Match
+from .model import Node, NodeReader, chain
 from .policy import Policy
 
 __all__ = ["REASONS", "Break", "Span", "diagnose", "span_of"]

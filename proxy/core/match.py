@@ -19,38 +19,20 @@ allows rewriting):
 from __future__ import annotations
 
 import hashlib
-import hmac
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from ..store.base import ROLE_TOOLS, Node, NodeReader
 from .identity import IdentityMemo, identify_messages, message_identity, tools_identity
+from .model import ROLE_TOOLS, Node, NodeReader, chain, tenant_root
 from .policy import Policy
 
 __all__ = ["Match", "chain", "match_request", "new_nodes", "tenant_root", "tool_groups"]
 
 _PERMUTATION_BUDGET = 256
 """Most store lookups spent looking for the stored order of one tool-result group."""
-
-
-def tenant_credential(headers: Mapping[str, str], tenant_header: str = "") -> str:
-    """The value that names a request's tenant: the configured tenant header, else ``Authorization``
-    (``""`` when absent: the anonymous tenant). The proxy and the admin API both key tenants by it."""
-    return headers.get(tenant_header or "Authorization", "")
-
-
-def tenant_root(secret: bytes, credential: str) -> bytes:
-    """``c_{-1}`` of a tenant: HMAC-SHA256(secret, credential), 16 bytes. ``""`` is the anonymous tenant."""
-    mac = hmac.new(secret, credential.encode("utf-8", "surrogatepass"), hashlib.sha256)
-    return mac.digest()[:16]
-
-
-def chain(parent: bytes, identity: bytes) -> bytes:
-    """``c_i = H(c_{i-1} || id_i)``."""
-    return hashlib.blake2b(parent + identity, digest_size=16).digest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,9 +81,8 @@ from typing import Any
 import orjson
 
 from ..errors import TranscriptFormatError
-from ..store.base import ROLE_TOOLS, Node, SessionTotals
 from .identity import message_identity, tools_identity
-from .match import chain
+from .model import ROLE_TOOLS, Node, SessionTotals, chain
 from .policy import Policy
 
 __all__ = [

@@ -17,59 +17,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-ROLE_TOOLS = "tools"
-"""Role of the pseudo-element 0 that holds a request's ``tools`` array."""
+from ..core.model import ROLE_TOOLS, Node, NodeReader, SessionTotals
 
-
-@dataclass(frozen=True, slots=True)
-class Node:
-    """One element of a stored transcript, in the canonical form the provider first saw."""
-
-    key: bytes
-    """Chain hash of this element (16 bytes)."""
-    parent: bytes
-    """Chain hash of the previous element; the tenant root for element 0."""
-    tenant: bytes
-    """The tenant root (keyed hash of the credential; never the raw credential)."""
-    depth: int
-    """Position in the request: 0 = the tools pseudo-element, 1.. = messages[depth - 1]."""
-    role: str
-    """``"tools"`` or the message role."""
-    identity: bytes
-    """Identity of the element (16 bytes): ``key == chain(parent, identity)``."""
-    body: bytes
-    """Canonical JSON (orjson) of the element as forwarded upstream, or as generated:
-    the message object, or for role ``"tools"`` the tools array (``[]`` when absent)."""
-    tokens: int = 0
-    """Token count of ``body`` (tiktoken cl100k), computed once when the node is created."""
-    generated: bool = False
-    """An assistant reply kvwarm observed from the upstream (its body is the generated strings)."""
-    partial: bool = False
-    """A generated reply whose stream ended before completion (what the client was delivered)."""
-    created: float = 0.0
-    """Unix time of creation."""
-
-
-@dataclass(slots=True)
-class SessionTotals:
-    """Running totals of one session (a leaf path); they move down to the new leaf as a path grows."""
-
-    turns: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    """Only from responses that reported a cached count; see ``unknown_cache_turns``."""
-    completion_tokens: int = 0
-    unknown_cache_turns: int = 0
-    """Turns whose response did not say how many prompt tokens were cached."""
-    cost_usd: float = 0.0
-    billed: bool = False
-    """True when any of the cost was billed by the provider rather than estimated."""
-    repaired: int = 0
-    last_break: str = ""
-    model: str = ""
-    created: float = 0.0
-    updated: float = 0.0
-
+__all__ = [
+    "ROLE_TOOLS",
+    "Node",
+    "NodeReader",
+    "SessionInfo",
+    "SessionTotals",
+    "StoreStats",
+    "TranscriptStore",
+]
 
 @dataclass(frozen=True, slots=True)
 class SessionInfo:
@@ -91,21 +49,6 @@ class StoreStats:
     corrupt: int
     """Entries that failed to decode or verify since start (each one a counted miss)."""
     evicted: int
-
-
-@runtime_checkable
-class NodeReader(Protocol):
-    """The read side the pure core needs. Synchronous: served from memory."""
-
-    def get(self, key: bytes) -> Node | None: ...
-
-    def children(self, key: bytes) -> Sequence[Node]:
-        """Stored children of ``key`` (a node key or a tenant root), oldest first."""
-        ...
-
-    def by_identity(self, tenant: bytes, identity: bytes) -> Sequence[Node]:
-        """Stored nodes of ``tenant`` whose element identity is ``identity`` (any depth)."""
-        ...
 
 
 @runtime_checkable

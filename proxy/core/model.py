@@ -1,0 +1,102 @@
+"""The transcript data model: :class:`Node`, :class:`SessionTotals`, chain hashing and the reader protocol.
+
+A transcript is a path in a tree. Element 0 of every request is the ``tools``
+array (a pseudo-message with role ``"tools"``, present even when the request
+has no tools), elements 1.. are the messages (or, for the Responses API, the
+``instructions`` and the input items). Each element's node is keyed by its chain
+hash ``c_i = H(c_{i-1} || identity_i)``; ``c_{-1}`` is the tenant root (an HMAC of
+the credential), so tenants never share nodes and a key names a whole prefix:
+nodes are content-addressed and immutable.
+
+The core owns this model; the stores (``proxy.store``) import it, never the reverse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+__all__ = ["ROLE_TOOLS", "Node", "NodeReader", "SessionTotals", "chain", "tenant_root"]
+
+
+def tenant_root(secret: bytes, credential: str) -> bytes:
+    """``c_{-1}`` of a tenant: HMAC-SHA256(secret, credential), 16 bytes. ``""`` is the anonymous tenant."""
+    mac = hmac.new(secret, credential.encode("utf-8", "surrogatepass"), hashlib.sha256)
+    return mac.digest()[:16]
+
+
+def chain(parent: bytes, identity: bytes) -> bytes:
+    """``c_i = H(c_{i-1} || id_i)``."""
+    return hashlib.blake2b(parent + identity, digest_size=16).digest()
+
+
+ROLE_TOOLS = "tools"
+"""Role of the pseudo-element 0 that holds a request's ``tools`` array."""
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One element of a stored transcript, in the canonical form the provider first saw."""
+
+    key: bytes
+    """Chain hash of this element (16 bytes)."""
+    parent: bytes
+    """Chain hash of the previous element; the tenant root for element 0."""
+    tenant: bytes
+    """The tenant root (keyed hash of the credential; never the raw credential)."""
+    depth: int
+    """Position in the request: 0 = the tools pseudo-element, 1.. = messages[depth - 1]."""
+    role: str
+    """``"tools"`` or the message role."""
+    identity: bytes
+    """Identity of the element (16 bytes): ``key == chain(parent, identity)``."""
+    body: bytes
+    """Canonical JSON (orjson) of the element as forwarded upstream, or as generated:
+    the message object, or for role ``"tools"`` the tools array (``[]`` when absent)."""
+    tokens: int = 0
+    """Token count of ``body`` (tiktoken cl100k), computed once when the node is created."""
+    generated: bool = False
+    """An assistant reply kvwarm observed from the upstream (its body is the generated strings)."""
+    partial: bool = False
+    """A generated reply whose stream ended before completion (what the client was delivered)."""
+    created: float = 0.0
+    """Unix time of creation."""
+
+
+@dataclass(slots=True)
+class SessionTotals:
+    """Running totals of one session (a leaf path); they move down to the new leaf as a path grows."""
+
+    turns: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Only from responses that reported a cached count; see ``unknown_cache_turns``."""
+    completion_tokens: int = 0
+    unknown_cache_turns: int = 0
+    """Turns whose response did not say how many prompt tokens were cached."""
+    cost_usd: float = 0.0
+    billed: bool = False
+    """True when any of the cost was billed by the provider rather than estimated."""
+    repaired: int = 0
+    last_break: str = ""
+    model: str = ""
+    created: float = 0.0
+    updated: float = 0.0
+
+
+@runtime_checkable
+class NodeReader(Protocol):
+    """The read side the pure core needs. Synchronous: served from memory."""
+
+    def get(self, key: bytes) -> Node | None: ...
+
+    def children(self, key: bytes) -> Sequence[Node]:
+        """Stored children of ``key`` (a node key or a tenant root), oldest first."""
+        ...
+
+    def by_identity(self, tenant: bytes, identity: bytes) -> Sequence[Node]:
+        """Stored nodes of ``tenant`` whose element identity is ``identity`` (any depth)."""
+        ...
