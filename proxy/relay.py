@@ -1,11 +1,16 @@
-"""Relaying an upstream response to the client as it arrives, with a tap for observers.
+"""Relaying an upstream response to the client as it arrives, through the response's observer.
 
-SSE responses are written event by event (never buffered whole); the tap sees
-each decoded event and may hold one back from the client (the usage-only
-chunk kvwarm asked for on the client's behalf). The terminal ``[DONE]`` event
-is written only after ``finish`` ran, so a client cannot send its next turn
-before this one is recorded. JSON bodies are read whole, observed, and sent
-after ``finish``.
+SSE responses are written event by event (never buffered whole); each decoded
+event goes to the observer, whose verdict (:mod:`proxy.wire.base`) keeps, hides or
+replaces it. The stream's terminal event (``data: [DONE]`` for chat) is written
+only after ``finish`` ran, so a client cannot send its next turn before this one is
+recorded.
+
+Plain bodies: one of known, bounded length is read whole, observed, and sent after
+``finish`` with its length. Any other (unknown length, compressed, or large) is
+relayed chunk by chunk as it arrives, the observer fed on the side (it keeps a
+bounded buffer); the last chunk is held until ``finish`` ran. Memory stays bounded
+whatever the size of the response.
 """
 
 from __future__ import annotations
@@ -15,15 +20,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 
-from .core.sse import SSEDecoder, SSEEvent
+from .core.sse import SSEDecoder
 from .errors import ProxyError
 from .upstream import UpstreamSender, forward_response_headers
+from .wire.base import Hide, Observer, Replace
 
 log = logging.getLogger(__name__)
 
-DONE = "[DONE]"
+__all__ = ["WHOLE_BODY_LIMIT", "RelayOutcome", "relay"]
+
+WHOLE_BODY_LIMIT = 1024 * 1024
+"""Plain bodies up to this many bytes (with a known length, uncompressed) are read whole."""
 
 
 @dataclass(slots=True)
@@ -35,22 +44,42 @@ class RelayOutcome:
     upstream_error: ProxyError | None = None
     """The upstream failed after the response had started."""
     complete: bool = False
-    """Every byte of the upstream response reached the client."""
+    """Every byte of the upstream response was read."""
+
+
+Finish = Callable[[RelayOutcome], Awaitable[None]]
+"""Called once the upstream response is over, before the client gets its last bytes."""
 
 
 def is_event_stream(response: aiohttp.ClientResponse) -> bool:
     return response.content_type == "text/event-stream"
 
 
-async def relay_events(
+async def relay(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
     sender: UpstreamSender,
     extra_headers: dict[str, str],
-    on_event: Callable[[SSEEvent], bool | bytes],
-    finish: Callable[[RelayOutcome], Awaitable[None]],
+    observer: Observer,
+    finish: Finish,
 ) -> web.StreamResponse:
-    """Relay an SSE stream; ``on_event`` returns False to keep an event from the client."""
+    """Relay ``upstream`` to the client through ``observer``; ``finish`` runs before the last bytes."""
+    if is_event_stream(upstream):
+        return await _relay_events(request, upstream, sender, extra_headers, observer, finish)
+    length = upstream.content_length
+    if length is not None and length <= WHOLE_BODY_LIMIT and not upstream.headers.get(hdrs.CONTENT_ENCODING):
+        return await _relay_whole(upstream, sender, extra_headers, observer, finish)
+    return await _relay_chunks(request, upstream, sender, extra_headers, observer, finish)
+
+
+async def _relay_events(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    sender: UpstreamSender,
+    extra_headers: dict[str, str],
+    observer: Observer,
+    finish: Finish,
+) -> web.StreamResponse:
     headers = forward_response_headers(upstream.headers)
     headers.update(extra_headers)
     out = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
@@ -69,11 +98,11 @@ async def relay_events(
             if events:
                 keep = []
                 for event in events:
-                    verdict = on_event(event)
-                    if verdict is False:
+                    verdict = observer.on_event(event)
+                    if isinstance(verdict, Hide):
                         continue
-                    raw = verdict if isinstance(verdict, bytes) else event.raw
-                    if event.data == DONE:
+                    raw = verdict.raw if isinstance(verdict, Replace) else event.raw
+                    if observer.is_terminal(event):
                         held.append(raw)
                     else:
                         keep.append(raw)
@@ -85,16 +114,89 @@ async def relay_events(
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         outcome.client_gone = True
     finally:
-        if not outcome.complete:
-            # Cancels the upstream request: the connection is closed, not returned to the pool.
-            upstream.close()
-        else:
-            upstream.release()
+        _done_with(upstream, outcome)
     await finish(outcome)
+    return await _close(request, out, outcome, held)
+
+
+async def _relay_whole(
+    upstream: aiohttp.ClientResponse,
+    sender: UpstreamSender,
+    extra_headers: dict[str, str],
+    observer: Observer,
+    finish: Finish,
+) -> web.StreamResponse:
+    parts: list[bytes] = []
+    try:
+        while chunk := await sender.read_chunk(upstream):
+            parts.append(chunk)
+    except BaseException:
+        upstream.close()
+        raise
+    upstream.release()
+    data = b"".join(parts)
+    observer.on_body(data)
+    await finish(RelayOutcome(complete=True))
+    headers = forward_response_headers(upstream.headers)
+    headers.update(extra_headers)
+    return web.Response(status=upstream.status, reason=upstream.reason, body=data, headers=headers)
+
+
+async def _relay_chunks(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    sender: UpstreamSender,
+    extra_headers: dict[str, str],
+    observer: Observer,
+    finish: Finish,
+) -> web.StreamResponse:
+    try:
+        first = await sender.read_chunk(upstream)
+    except BaseException:
+        upstream.close()
+        raise
+    headers = forward_response_headers(upstream.headers)
+    headers.update(extra_headers)
+    out = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+    outcome = RelayOutcome()
+    held = first
+    await out.prepare(request)
+    try:
+        while held:
+            observer.on_body(held)
+            try:
+                chunk = await sender.read_chunk(upstream)
+            except ProxyError as exc:
+                outcome.upstream_error = exc
+                break
+            if not chunk:
+                break
+            await out.write(held)
+            held = chunk
+        outcome.complete = outcome.upstream_error is None
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        outcome.client_gone = True
+    finally:
+        _done_with(upstream, outcome)
+    await finish(outcome)
+    return await _close(request, out, outcome, [held] if held and outcome.complete else [])
+
+
+def _done_with(upstream: aiohttp.ClientResponse, outcome: RelayOutcome) -> None:
+    if outcome.complete:
+        upstream.release()
+    else:
+        # Cancels the upstream request: the connection is closed, not returned to the pool.
+        upstream.close()
+
+
+async def _close(
+    request: web.Request, out: web.StreamResponse, outcome: RelayOutcome, held: list[bytes]
+) -> web.StreamResponse:
     if outcome.client_gone:
         return out
     if outcome.upstream_error is not None:
-        # Mirror the upstream: the client sees the stream break, not a clean end.
+        # Mirror the upstream: the client sees the response break, not a clean end.
         out.force_close()
         if request.transport is not None:
             request.transport.close()
@@ -104,18 +206,5 @@ async def relay_events(
             await out.write(raw)
         await out.write_eof()
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-        log.debug("client left before the end of the stream")
+        log.debug("client left before the end of the response")
     return out
-
-
-async def read_body(upstream: aiohttp.ClientResponse, sender: UpstreamSender) -> bytes:
-    """The whole (decoded) upstream body."""
-    parts: list[bytes] = []
-    try:
-        while chunk := await sender.read_chunk(upstream):
-            parts.append(chunk)
-    except BaseException:
-        upstream.close()
-        raise
-    upstream.release()
-    return b"".join(parts)

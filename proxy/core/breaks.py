@@ -95,6 +95,11 @@ class Break:
     span: Span | None
     """The changed region, for content / system / tools changes."""
 
+    @property
+    def is_break(self) -> bool:
+        """False for ``new_branch``: a genuinely new turn is not a break."""
+        return self.reason != "new_branch"
+
 
 # -- spans -----------------------------------------------------------------------------------
 

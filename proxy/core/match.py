@@ -60,6 +60,11 @@ class Match:
     """Per forwarded element (when an identity memo was used): its ``orjson.dumps`` bytes, or None."""
 
     @property
+    def matched_messages(self) -> int:
+        """Messages inside the matched prefix (the tools element 0 is not a message)."""
+        return max(self.matched - 1, 0)
+
+    @property
     def complete(self) -> bool:
         """The whole request is stored."""
         return self.matched == len(self.keys)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["ROLE_TOOLS", "Node", "NodeReader", "SessionTotals", "chain", "tenant_root"]
+__all__ = ["ROLE_TOOLS", "Node", "NodeReader", "SessionTotals", "TurnWrite", "chain", "tenant_root"]
 
 
 def tenant_root(secret: bytes, credential: str) -> bytes:
@@ -100,3 +100,19 @@ class NodeReader(Protocol):
     def by_identity(self, tenant: bytes, identity: bytes) -> Sequence[Node]:
         """Stored nodes of ``tenant`` whose element identity is ``identity`` (any depth)."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class TurnWrite:
+    """One turn to record: computed purely from the plan and the reply, written by the store."""
+
+    nodes: Sequence[Node]
+    """New nodes, parents first (request elements past the matched prefix, then the reply)."""
+    path: Sequence[bytes]
+    """The matched prefix's keys, root first: touched (TTL/LRU), and searched from the deepest
+    for the previous session leaf whose totals move down to the new leaf."""
+    leaf: bytes
+    """The session's new leaf (the reply's key, or the request's last element)."""
+    totals: SessionTotals
+    """This turn's numbers, added to the session's running totals."""
+    now: float

@@ -17,16 +17,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from ..core.model import ROLE_TOOLS, Node, NodeReader, SessionTotals
+from ..core.model import ROLE_TOOLS, Node, NodeReader, SessionTotals, TurnWrite
 
 __all__ = [
     "ROLE_TOOLS",
+    "AsyncStore",
+    "Lookups",
     "Node",
     "NodeReader",
     "SessionInfo",
     "SessionTotals",
     "StoreStats",
+    "StoreView",
     "TranscriptStore",
+    "TurnWrite",
 ]
 
 @dataclass(frozen=True, slots=True)
@@ -105,4 +109,100 @@ class TranscriptStore(NodeReader, Protocol):
 
     def secret(self) -> bytes:
         """The server secret keying tenant roots (configured, or generated once and persisted)."""
+        ...
+
+
+# -- the request path's view of a store: local or shared ------------------------------------
+
+
+@dataclass(slots=True)
+class Lookups:
+    """What a plan asked a :class:`StoreView` for that the view could not answer from memory."""
+
+    keys: set[bytes] = field(default_factory=set)
+    """Nodes by key."""
+    children: set[bytes] = field(default_factory=set)
+    """Children lists, by parent key (a node key or a tenant root)."""
+    identities: set[tuple[bytes, bytes]] = field(default_factory=set)
+    """``by_identity`` lists, by (tenant, identity)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.keys or self.children or self.identities)
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.children.clear()
+        self.identities.clear()
+
+
+@runtime_checkable
+class StoreView(NodeReader, Protocol):
+    """One request's read view of a store, handed to the pure planner.
+
+    A local store answers every read from memory: its view is complete and ``missing``
+    stays empty. A shared store (Redis) answers from a per-process cache of immutable
+    nodes plus what this view fetched; a read it cannot answer returns "absent" and is
+    recorded in ``missing``, the request path awaits :meth:`AsyncStore.fill` and plans
+    again (a bounded number of rounds, within ``store.timeout``).
+    """
+
+    missing: Lookups
+
+    def want(self, keys: Sequence[bytes]) -> None:
+        """Ask for these nodes (and their children lists) on the next fill, unread yet:
+        the chain keys of a request are known before any of them is looked up."""
+        ...
+
+
+@runtime_checkable
+class AsyncStore(Protocol):
+    """The store as the request path, the admin API and the CLI use it: awaitable, local or shared.
+
+    :class:`LocalStore` adapts any :class:`TranscriptStore` (memory, sqlite); a shared
+    backend (``proxy.store.redis``) implements this directly. Every call may be slow or
+    fail on a shared store: callers bound it (``store.timeout``) and fail open.
+    """
+
+    shared: bool
+    """True when other processes write the same store (nodes may appear at any time)."""
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def flush(self) -> None: ...
+
+    def view(self) -> StoreView:
+        """A fresh read view for one request."""
+        ...
+
+    async def fill(self, view: StoreView) -> bool:
+        """Fetch what ``view.missing`` names into the view; True when anything was fetched."""
+        ...
+
+    async def write_turn(self, turn: TurnWrite) -> None:
+        """Insert the turn's nodes (insert-if-absent), touch its path, add its totals. Durable
+        enough that the next request on any process sees it once this returns (shared stores)."""
+        ...
+
+    async def insert(self, nodes: Sequence[Node]) -> int: ...
+
+    async def path(self, leaf: bytes) -> list[Node]: ...
+
+    async def totals(self, leaf: bytes) -> SessionTotals | None: ...
+
+    async def add_turn(self, leaf: bytes, parent_leaf: bytes | None, totals: SessionTotals) -> SessionTotals: ...
+
+    async def sessions(self, tenant: bytes | None = None) -> list[SessionInfo]: ...
+
+    def evict(self, now: float) -> int:
+        """Local stores: TTL and budget eviction. Shared stores: nothing (the server expires keys)."""
+        ...
+
+    def stats(self) -> StoreStats: ...
+
+    def secret(self) -> bytes: ...
+
+    def health(self) -> str:
+        """``"ok"``, or ``"degraded: <why>"`` (a shared store that is unreachable right now)."""
         ...

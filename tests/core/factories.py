@@ -1,7 +1,8 @@
 """Builders for pure-core tests: realistic chat requests in one call, and a dict-based NodeReader.
 
-``Session`` plays the pipeline's part (match -> repair -> diagnose -> record) without any
-I/O, so a test reads like a conversation: ``s.turn(body, reply)``.
+``Session`` drives the production planner (``plan_turn``: match -> repair -> diagnose) and
+recorder (``turn_write``) without any I/O, so a test reads like a conversation:
+``s.turn(body, reply)``.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import Any
 
 import orjson
 
-from proxy.core.breaks import Break, diagnose
-from proxy.core.match import Match, match_request, new_nodes, tenant_root
+from proxy.core.breaks import Break
+from proxy.core.match import Match, tenant_root
+from proxy.core.plan import TurnPlan, plan_turn, turn_write
 from proxy.core.policy import Policy
-from proxy.core.repair import RepairPlan, plan_repair
+from proxy.core.record import Reply
+from proxy.core.repair import RepairPlan
 from proxy.store.base import Node
 
 SECRET = b"test-secret-0123456789"
@@ -161,6 +164,8 @@ class Turn:
     forwarded: dict[str, Any]
     """The body that would go upstream (the repaired one, or the client's)."""
     nodes: list[Node]
+    planned: TurnPlan | None = None
+    """The production planner's whole plan."""
 
     @property
     def sent(self) -> bytes:
@@ -183,25 +188,23 @@ class Session:
     def look(self, body: Mapping[str, Any]) -> Turn:
         """Match, repair and diagnose ``body`` without recording anything."""
         before = orjson.dumps(body)
-        match = match_request(body, self.root, self.store, self.policy)
-        plan = plan_repair(body, match, self.policy)
-        brk = diagnose(body, match, self.store)
+        plan = plan_turn(body, self.root, self.store, self.policy)
         assert orjson.dumps(body) == before, "the caller's body was mutated"
-        forwarded = plan.body if plan.body is not None else dict(body)
-        return Turn(match, plan, brk, forwarded, [])
+        assert plan.match is not None
+        return Turn(plan.match, plan.repair, plan.brk, dict(plan.forwarded), [], plan)
 
     def turn(
         self, body: Mapping[str, Any], reply: Msg | None = None, *, partial: bool = False
     ) -> Turn:
         """One exchange: look, then record the forwarded elements and the generated reply."""
         t = self.look(body)
-        t.nodes = new_nodes(
-            t.match,
-            t.forwarded,
-            reply,
-            generated_partial=partial,
-            now=1000.0,
-            count_tokens=count_tokens,
+        plan = t.planned
+        assert plan is not None
+        generated = Reply(reply, "stop", partial, None) if reply is not None else None
+        record = turn_write(
+            plan, generated, None, None, model="", client_gone=False, now=1000.0, count_tokens=count_tokens
         )
+        assert record is not None
+        t.nodes = list(record.nodes)
         self.store.insert(t.nodes)
         return t

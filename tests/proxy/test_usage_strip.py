@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.pipeline import _without_null_usage
+from proxy.wire.chat import without_null_usage
 
 
 def chunk_of(raw: bytes) -> dict[str, object]:
@@ -27,20 +27,20 @@ def chunk_of(raw: bytes) -> dict[str, object]:
     ],
 )
 def test_top_level_null_usage_is_removed_exactly(raw: bytes, expected: bytes) -> None:
-    assert _without_null_usage(raw, chunk_of(raw)) == expected
+    assert without_null_usage(raw, chunk_of(raw)) == expected
 
 
 def test_a_nested_usage_is_never_touched() -> None:
     raw = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x","usage":null}}],"usage":null}\n\n'
-    out = _without_null_usage(raw, chunk_of(raw))
+    out = without_null_usage(raw, chunk_of(raw))
     assert out == b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x","usage":null}}]}\n\n'
     only_nested = b'data: {"id":"c","choices":[{"index":0,"delta":{"usage":null,"content":"x"}}],"usage":null,"x":1}\n\n'
-    out = _without_null_usage(only_nested, chunk_of(only_nested))
-    assert out is True or orjson.loads(out[6:]) == {k: v for k, v in chunk_of(only_nested).items() if k != "usage"}
+    out = without_null_usage(only_nested, chunk_of(only_nested))
+    assert out is None or orjson.loads(out[6:]) == {k: v for k, v in chunk_of(only_nested).items() if k != "usage"}
 
 
 def test_a_string_containing_the_bytes_is_not_a_member() -> None:
     raw = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"say ,\\"usage\\":null}"}}],"usage":null}\n\n'
-    out = _without_null_usage(raw, chunk_of(raw))
+    out = without_null_usage(raw, chunk_of(raw))
     assert isinstance(out, bytes)
     assert orjson.loads(out[6:]) == {k: v for k, v in chunk_of(raw).items() if k != "usage"}

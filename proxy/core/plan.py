@@ -1,0 +1,143 @@
+"""The turn planner: what to forward for one request, and what to record after it. Pure.
+
+:func:`plan_turn` goes from (the parsed body, the tenant root, a store reader, the
+policy, the identity memo) to a frozen :class:`TurnPlan`: the matched prefix, the
+repairs, the break, and the body as forwarded. :func:`turn_write` goes from (the
+plan, the reply as generated, the usage, the cost) to the store write of the turn:
+new nodes and the session's totals. Neither does I/O nor reads a clock; the wire
+front-ends (``proxy.wire``) add the bytes, the request path adds the I/O.
+
+Each stage runs under the caller's guard (:mod:`proxy.core.guard`): a failed
+match leaves the plan without match, repair or break, and the client's bytes go
+upstream unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .breaks import Break, diagnose
+from .guard import STRICT, Guard
+from .identity import IdentityMemo
+from .match import Match, match_request, new_nodes
+from .model import NodeReader, SessionTotals, TurnWrite
+from .policy import Policy
+from .pricing import Cost
+from .record import Reply
+from .repair import NO_REPAIR, RepairPlan, plan_repair
+from .usage import Usage
+
+__all__ = ["TurnPlan", "plan_turn", "turn_write"]
+
+
+@dataclass(frozen=True, slots=True)
+class TurnPlan:
+    """What kvwarm decided for one request before forwarding it."""
+
+    root: bytes
+    """The tenant root."""
+    match: Match | None
+    """The stored prefix the request continues (None: fingerprinting failed open)."""
+    repair: RepairPlan
+    """What was restored to the stored form (``NO_REPAIR`` when nothing)."""
+    brk: Break | None
+    """Where and why the request left the stored tree (a ``new_branch`` is no break)."""
+    forwarded: Mapping[str, Any]
+    """The body as forwarded, parsed: the repaired body, or the client's."""
+    messages: int
+    """Messages in the client's request."""
+
+    @property
+    def matched_messages(self) -> int:
+        return self.match.matched_messages if self.match is not None else 0
+
+    @property
+    def broke(self) -> Break | None:
+        """The break, when it is one (a new turn is not)."""
+        brk = self.brk
+        return brk if brk is not None and brk.is_break else None
+
+
+def plan_turn(
+    body: Mapping[str, Any],
+    root: bytes,
+    reader: NodeReader,
+    policy: Policy,
+    memo: IdentityMemo | None = None,
+    guard: Guard = STRICT,
+) -> TurnPlan:
+    """Match ``body`` against the tree, plan its repair and diagnose its break. Never mutates ``body``."""
+    match: Match | None = None
+    repair = NO_REPAIR
+    brk: Break | None = None
+    with guard("match"):
+        match = match_request(body, root, reader, policy, memo)
+    if match is not None:
+        with guard("repair"):
+            repair = plan_repair(body, match, policy)
+        with guard("diagnose"):
+            brk = diagnose(body, match, reader)
+    messages = body.get("messages")
+    return TurnPlan(
+        root=root,
+        match=match,
+        repair=repair,
+        brk=brk,
+        forwarded=repair.body if repair.body is not None else body,
+        messages=len(messages) if isinstance(messages, list) else 0,
+    )
+
+
+def turn_write(
+    plan: TurnPlan,
+    reply: Reply | None,
+    usage: Usage | None,
+    cost: Cost | None,
+    *,
+    model: str,
+    client_gone: bool,
+    now: float,
+    count_tokens: Callable[[bytes], int] = len,
+) -> TurnWrite | None:
+    """The nodes and session totals of a turn that was answered; None without a match.
+
+    The reply is recorded as generated; when the client left mid-stream it is recorded
+    as delivered (``partial``): what the client sends next is what its user saw.
+    """
+    match = plan.match
+    if match is None:
+        return None
+    message = reply.message if reply is not None and _has_output(reply.message) else None
+    drafts = new_nodes(
+        match,
+        plan.forwarded,
+        message,
+        generated_partial=bool(reply is not None and (reply.partial or client_gone)),
+        now=now,
+        count_tokens=count_tokens,
+    )
+    leaf = drafts[-1].key if drafts else (match.keys[-1] if match.keys else None)
+    if leaf is None:
+        return None
+    brk = plan.broke
+    totals = SessionTotals(
+        turns=1,
+        prompt_tokens=(usage.prompt_tokens or 0) if usage else 0,
+        cached_tokens=(usage.cached_tokens or 0) if usage else 0,
+        completion_tokens=(usage.completion_tokens or 0) if usage else 0,
+        unknown_cache_turns=1 if usage is None or usage.cached_tokens is None else 0,
+        cost_usd=(cost.usd or 0.0) if cost else 0.0,
+        billed=bool(cost and cost.billed),
+        repaired=len(plan.repair.repairs),
+        last_break=brk.reason if brk is not None else "",
+        model=model,
+        created=now,
+        updated=now,
+    )
+    return TurnWrite(tuple(drafts), match.keys[: match.matched], leaf, totals, now)
+
+
+def _has_output(message: Mapping[str, Any]) -> bool:
+    return bool(message.get("content") or message.get("tool_calls") or message.get("reasoning_content"))

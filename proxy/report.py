@@ -1,0 +1,141 @@
+"""Reporting one request: the ``x-kvwarm-*`` response headers, the metrics, the INFO log line.
+
+Everything a request tells the outside world about itself is written here, from
+the request's frozen plan and its :class:`Answer`:
+
+``x-kvwarm-prefix: matched=12/14; repaired=3; rescued=5120; break=content_changed@13``
+    ``matched`` counts leading messages found in the store out of the request's
+    messages (the ``tools`` array is element 0 and not counted); ``break`` names the
+    reason and the message index (``tools`` for the tools array).
+``x-kvwarm-break: content_changed at messages[0] offset=.. length=.. shape=.. hint=..``
+    The changed span by shape only, never the client's text.
+
+The log line carries no prompt text and no credential.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .core.plan import TurnPlan
+from .core.pricing import Cost
+from .core.record import Reply
+from .core.usage import Usage
+from .metrics import ProxyMetrics
+
+log = logging.getLogger("proxy.pipeline")
+
+__all__ = ["BREAK_HEADER", "PREFIX_HEADER", "Answer", "Reporter", "visibility_headers"]
+
+PREFIX_HEADER = "x-kvwarm-prefix"
+BREAK_HEADER = "x-kvwarm-break"
+
+
+@dataclass(slots=True)
+class Answer:
+    """What came back for one request, filled while the response is relayed."""
+
+    status: int | None = None
+    """Upstream status (None when the upstream could not be reached)."""
+    ttfb: float | None = None
+    """Seconds from arrival to the upstream's response headers."""
+    usage: Usage | None = None
+    reply: Reply | None = None
+    """The reply as generated (as delivered, when the client left mid-stream)."""
+    cost: Cost | None = None
+    client_gone: bool = False
+    failed: Sequence[str] = field(default_factory=list)
+    """Stages that failed open (the request's fail-open guard's list)."""
+
+
+class BreakSink(Protocol):
+    """Keeps examples of breaks (the live page's ``Activity``)."""
+
+    def note_break(self, tenant: bytes, reason: str, where: str, shape: str, hint: str, now: float) -> None: ...
+
+
+class Reporter:
+    """Writes the metrics and the log line of each request."""
+
+    def __init__(self, metrics: ProxyMetrics, breaks: BreakSink | None = None) -> None:
+        self.metrics = metrics
+        self.breaks = breaks
+
+    def report(self, api: str, model: str, stream: bool, plan: TurnPlan | None, answer: Answer, duration: float) -> None:
+        m = self.metrics
+        m.observe_request(
+            model=model, status=answer.status, stream=stream, duration=duration,
+            ttfb=answer.ttfb, usage=answer.usage, cost=answer.cost,
+        )
+        brk = plan.broke if plan is not None else None
+        if plan is not None:
+            if plan.match is not None:
+                m.observe_match(plan.matched_messages, plan.messages)
+            repair = plan.repair
+            if repair.repairs:
+                m.observe_repairs((r.kind for r in repair.repairs), repair.rescued_tokens, model)
+            if brk is not None:
+                m.observe_break(brk.reason)
+                if brk.span is not None and self.breaks is not None:
+                    span = brk.span
+                    self.breaks.note_break(plan.root, brk.reason, _where(span.depth), span.shape, span.hint, time.time())
+        if log.isEnabledFor(logging.INFO):
+            _log_line(api, model, stream, plan, answer, duration)
+        if log.isEnabledFor(logging.DEBUG) and plan is not None:
+            log.debug("prefix %s", visibility_headers(plan).get(PREFIX_HEADER, "-"))
+
+
+def _log_line(api: str, model: str, stream: bool, plan: TurnPlan | None, answer: Answer, duration: float) -> None:
+    u = answer.usage
+    prompt = u.prompt_tokens if u else None
+    cached = u.cached_tokens if u else None
+    hit = f"{100.0 * cached / prompt:.1f}%" if prompt and cached is not None else "?"
+    cost = answer.cost
+    price = f"${cost.usd:.6f}{'' if cost.billed else '~'}" if cost and cost.usd is not None else "?"
+    brk = plan.broke if plan is not None else None
+    log.info(
+        "%s model=%s status=%s stream=%s prompt=%s cached=%s hit=%s repaired=%d break=%s cost=%s duration=%.3fs%s",
+        api, model or "-", answer.status, stream, prompt, cached, hit,
+        len(plan.repair.repairs) if plan is not None else 0,
+        brk.reason if brk is not None else "-", price, duration,
+        f" failed_open={','.join(answer.failed)}" if answer.failed else "",
+    )
+
+
+def visibility_headers(plan: TurnPlan) -> dict[str, str]:
+    """The ``x-kvwarm-prefix`` (and ``x-kvwarm-break``) headers of a planned request."""
+    if plan.match is None:
+        return {}
+    parts = [f"matched={plan.matched_messages}/{plan.messages}"]
+    repairs = plan.repair.repairs
+    parts.append(f"repaired={len(repairs)}")
+    if repairs:
+        parts.append(f"rescued={plan.repair.rescued_tokens}")
+    headers: dict[str, str] = {}
+    brk = plan.broke
+    if brk is not None:
+        parts.append(f"break={brk.reason}@{'tools' if brk.depth == 0 else brk.depth - 1}")
+        span = brk.span
+        if span is not None:
+            headers[BREAK_HEADER] = _ascii(
+                f"{brk.reason} at {_where(span.depth)} offset={span.offset} length={span.length} "
+                f"shape={span.shape} hint={span.hint}"
+            )
+    headers[PREFIX_HEADER] = "; ".join(parts)
+    return headers
+
+
+def _where(depth: int) -> str:
+    return "tools" if depth == 0 else f"messages[{depth - 1}]"
+
+
+_CONTROL = {i: f"\\x{i:02x}" for i in (*range(32), 127)}
+
+
+def _ascii(text: str) -> str:
+    """A header-safe value: non-ASCII and control characters (CR, LF, TAB, ...) escaped."""
+    return text.encode("ascii", "backslashreplace").decode("ascii").translate(_CONTROL)[:1000]

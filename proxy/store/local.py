@@ -1,0 +1,101 @@
+""":class:`LocalStore`: a memory or sqlite :class:`~proxy.store.base.TranscriptStore` as an :class:`~proxy.store.base.AsyncStore`.
+
+A local store holds its whole index in memory, so its view is the store itself
+(complete: nothing is ever missing) and every call completes without waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .base import (
+    Lookups,
+    Node,
+    SessionInfo,
+    SessionTotals,
+    StoreStats,
+    StoreView,
+    TranscriptStore,
+    TurnWrite,
+)
+
+__all__ = ["LocalStore"]
+
+
+class _CompleteView:
+    """A local store's view: reads go straight to its in-memory index."""
+
+    __slots__ = ("by_identity", "children", "get", "missing")
+
+    def __init__(self, store: TranscriptStore) -> None:
+        self.get = store.get
+        self.children = store.children
+        self.by_identity = store.by_identity
+        self.missing = Lookups()
+
+    def want(self, keys: Sequence[bytes]) -> None:
+        return None
+
+
+class LocalStore:
+    """Adapts a synchronous in-memory-indexed store to the awaitable store contract."""
+
+    shared = False
+
+    def __init__(self, store: TranscriptStore) -> None:
+        self.local = store
+        """The wrapped store (tests and the CLI read it directly)."""
+        self._view = _CompleteView(store)
+
+    async def open(self) -> None:
+        await self.local.open()
+
+    async def close(self) -> None:
+        await self.local.close()
+
+    async def flush(self) -> None:
+        await self.local.flush()
+
+    def view(self) -> StoreView:
+        return self._view
+
+    async def fill(self, view: StoreView) -> bool:
+        return False
+
+    async def write_turn(self, turn: TurnWrite) -> None:
+        self.write_turn_now(turn)
+
+    def write_turn_now(self, turn: TurnWrite) -> None:
+        store = self.local
+        if turn.nodes:
+            store.insert(turn.nodes)
+        store.touch(turn.path, turn.now)
+        previous = next((k for k in reversed(turn.path) if store.totals(k) is not None), None)
+        store.add_turn(turn.leaf, previous if previous != turn.leaf else None, turn.totals)
+
+    async def insert(self, nodes: Sequence[Node]) -> int:
+        return self.local.insert(nodes)
+
+    async def path(self, leaf: bytes) -> list[Node]:
+        return self.local.path(leaf)
+
+    async def totals(self, leaf: bytes) -> SessionTotals | None:
+        return self.local.totals(leaf)
+
+    async def add_turn(self, leaf: bytes, parent_leaf: bytes | None, totals: SessionTotals) -> SessionTotals:
+        return self.local.add_turn(leaf, parent_leaf, totals)
+
+    async def sessions(self, tenant: bytes | None = None) -> list[SessionInfo]:
+        return self.local.sessions(tenant)
+
+    def evict(self, now: float) -> int:
+        return self.local.evict(now)
+
+    def stats(self) -> StoreStats:
+        return self.local.stats()
+
+    def secret(self) -> bytes:
+        return self.local.secret()
+
+    def health(self) -> str:
+        return "ok"

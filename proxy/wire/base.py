@@ -1,0 +1,76 @@
+"""The contract of a wire API: its front-end (:class:`Wire`) and its response :class:`Observer`.
+
+A stream event reaches the client according to the observer's verdict, one of
+three named types (mitmproxy-style: each says when it applies):
+
+- :data:`KEEP` -- relay the event's bytes as received (almost every event);
+- :data:`HIDE` -- kvwarm itself caused this event (the usage-only chunk of an
+  ``include_usage`` it injected): the client never sees it;
+- :class:`Replace` -- relay other bytes instead (the event minus a member kvwarm
+  caused, such as ``"usage": null``);
+
+and, orthogonally, an event is *terminal* (:meth:`Observer.is_terminal`): the
+relay holds it back until the turn is recorded, so a client cannot send its next
+turn before this one is in the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+from ..core.record import Reply
+from ..core.sse import SSEEvent
+from ..core.usage import Usage
+
+__all__ = ["HIDE", "KEEP", "Hide", "Keep", "Observer", "Replace", "Verdict"]
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """Relay the event as received."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hide:
+    """Withhold the event: kvwarm caused it, the client did not ask for it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Replace:
+    """Relay ``raw`` instead of the event's own bytes."""
+
+    raw: bytes
+
+
+KEEP: Final = Keep()
+HIDE: Final = Hide()
+Verdict = Keep | Hide | Replace
+
+
+class Observer(Protocol):
+    """Watches one response of one wire API on its way to the client.
+
+    The relay calls :meth:`on_event` for each SSE event, or :meth:`on_body` for each chunk
+    of a plain body, then :meth:`end` once. The observer assembles the reply as generated
+    (as delivered, when the client left) and reads the usage; it never raises into the relay
+    (its own failures are counted through the request's fail-open guard).
+    """
+
+    usage: Usage | None
+    """The usage block(s) seen so far, merged."""
+
+    def on_event(self, event: SSEEvent) -> Verdict: ...
+
+    def is_terminal(self, event: SSEEvent) -> bool:
+        """The stream's closing event (held until the turn is recorded)."""
+        ...
+
+    def on_body(self, chunk: bytes) -> None:
+        """A chunk of a non-streamed body (bounded buffering: past the bound, usage is unknown)."""
+        ...
+
+    def end(self, *, client_gone: bool) -> Reply | None:
+        """The response is over: the reply to record (``partial`` when the stream was cut)."""
+        ...
+

@@ -1,0 +1,204 @@
+"""``/v1/chat/completions``: the chat front-end and its response observer. Pure.
+
+Front-end: a POST whose body is a JSON object with a ``messages`` list is a chat
+turn (anything else passes untouched). The bytes forwarded are the client's own,
+unless a repair changed the body or a streamed request needs
+``stream_options.include_usage``: kvwarm adds it when the client did not, so every
+stream reports usage, and the observer hides what that option caused.
+
+Observer: reads the usage from the body or from each chunk (merged), assembles the
+reply exactly as generated (:mod:`proxy.core.record`), learns the upstream's traits
+(llama.cpp ``timings``), and, when kvwarm injected ``include_usage``, hides the
+usage-only chunk and strips the ``"usage": null`` member OpenAI-style upstreams then
+add to every chunk, byte for byte otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..core.guard import Guard
+from ..core.identity import IdentityMemo
+from ..core.model import NodeReader
+from ..core.plan import TurnPlan, plan_turn
+from ..core.policy import Policy
+from ..core.record import Reply, ReplyAssembler, reply_from_body
+from ..core.sse import SSEEvent
+from ..core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
+from ..traits import UpstreamTraits
+from .base import HIDE, KEEP, Replace, Verdict
+
+__all__ = ["DONE", "ChatObserver", "ChatWire", "Outgoing", "without_null_usage"]
+
+DONE = "[DONE]"
+PATH_SUFFIX = "/chat/completions"
+BODY_LIMIT = 32 * 1024 * 1024
+"""Bytes of a non-streamed response kept for reading its usage and reply; beyond, both are unknown."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """What goes upstream."""
+
+    body: bytes
+    """The bytes sent: the client's, unless repaired or ``include_usage`` was added."""
+    usage_injected: bool
+    """kvwarm added ``stream_options.include_usage``; the observer hides what it caused."""
+
+
+class ChatWire:
+    """The Chat Completions API."""
+
+    name = "chat"
+
+    def parse(self, method: str, path: str, raw: bytes) -> dict[str, Any] | None:
+        """The request body when this is a chat turn kvwarm understands; else None (forwarded untouched)."""
+        if method != "POST" or not path.endswith(PATH_SUFFIX) or not raw:
+            return None
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        if type(body) is not dict or type(body.get("messages")) is not list:
+            return None
+        return body
+
+    def plan(
+        self,
+        body: Mapping[str, Any],
+        root: bytes,
+        reader: NodeReader,
+        policy: Policy,
+        memo: IdentityMemo | None,
+        guard: Guard,
+    ) -> TurnPlan:
+        return plan_turn(body, root, reader, policy, memo, guard)
+
+    def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing:
+        """The client's bytes unless something must change; re-serialized at most once."""
+        repaired = plan.repair.body
+        options = body.get("stream_options")
+        needs_usage = (
+            body.get("stream") is True
+            and not traits.reports_timings
+            and not (isinstance(options, dict) and options.get("include_usage") is True)
+        )
+        if needs_usage and (options is None or isinstance(options, dict)):
+            if repaired is None and options is None:
+                # Splice the option in front so the client's own bytes travel unchanged.
+                start = raw.index(b"{") + 1
+                return Outgoing(raw[:start] + b'"stream_options":{"include_usage":true},' + raw[start:], True)
+            out = dict(repaired if repaired is not None else body)
+            out["stream_options"] = {**(options or {}), "include_usage": True}
+            return Outgoing(orjson.dumps(out), True)
+        return Outgoing(orjson.dumps(repaired) if repaired is not None else raw, False)
+
+    def observer(self, outgoing: Outgoing, traits: UpstreamTraits, guard: Guard, *, success: bool) -> ChatObserver:
+        return ChatObserver(outgoing.usage_injected, traits, guard, success=success)
+
+
+class ChatObserver:
+    """One chat response on its way to the client."""
+
+    __slots__ = ("_assembler", "_body", "_guard", "_injected", "_overflow", "_success", "_traits", "usage")
+
+    def __init__(self, usage_injected: bool, traits: UpstreamTraits, guard: Guard, *, success: bool) -> None:
+        self._injected = usage_injected
+        self._traits = traits
+        self._guard = guard
+        self._success = success
+        """A 2xx response: only those carry a reply and usage worth reading."""
+        self._assembler = ReplyAssembler()
+        self._body: list[bytes] = []
+        self._overflow = False
+        self.usage: Usage | None = None
+
+    # -- streams -----------------------------------------------------------------------
+
+    def on_event(self, event: SSEEvent) -> Verdict:
+        data = event.data
+        if data is None:
+            return KEEP
+        if data == DONE:
+            self._assembler.done()
+            return KEEP
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return KEEP
+        if type(chunk) is not dict:
+            return KEEP
+        observed = False
+        with self._guard("usage"):
+            self._read(chunk)
+            self._assembler.feed(chunk)
+            observed = True
+        if not observed or not self._injected:
+            return KEEP
+        if is_usage_only_chunk(chunk):
+            return HIDE
+        if "usage" in chunk and chunk["usage"] is None:
+            stripped = without_null_usage(event.raw, chunk)
+            return Replace(stripped) if stripped is not None else KEEP
+        return KEEP
+
+    def is_terminal(self, event: SSEEvent) -> bool:
+        return event.data == DONE
+
+    # -- plain bodies --------------------------------------------------------------------
+
+    def on_body(self, chunk: bytes) -> None:
+        if self._overflow or not self._success:
+            return
+        self._body.append(chunk)
+        if sum(map(len, self._body)) > BODY_LIMIT:
+            self._overflow = True
+            self._body.clear()
+
+    def end(self, *, client_gone: bool) -> Reply | None:
+        reply: Reply | None = None
+        if self._body:
+            with self._guard("usage"):
+                payload = orjson.loads(b"".join(self._body))
+                if type(payload) is dict:
+                    self._read(payload)
+                    reply = reply_from_body(payload)
+            self._body.clear()
+            return reply
+        with self._guard("record"):
+            reply = self._assembler.result()
+        if reply is not None and client_gone and not reply.partial:
+            reply = Reply(reply.message, reply.finish_reason, True, reply.model)
+        return reply
+
+    def _read(self, obj: Mapping[str, Any]) -> None:
+        self.usage = merge_usage(self.usage, extract_usage(obj))
+        if "timings" in obj:
+            self._traits.reports_timings = True
+
+
+_NULL_USAGE = re.compile(rb',[ \t]*"usage"[ \t]*:[ \t]*null(?=[ \t]*[,}])|"usage"[ \t]*:[ \t]*null[ \t]*,[ \t]*')
+_NULL_USAGE_TAIL = b',"usage":null}'
+
+
+def without_null_usage(raw: bytes, chunk: Mapping[str, Any]) -> bytes | None:
+    """``raw`` minus its top-level ``"usage": null`` member, the rest byte for byte; None if unsure."""
+    line = raw.rstrip(b"\r\n")
+    if line.endswith(_NULL_USAGE_TAIL) and line.startswith(b"data:") and b"\n" not in line and b"\r" not in line:
+        # The common shape (OpenAI, vLLM): the member closes a one-line object. Just before the
+        # object's final brace it can only be a top-level member: a nested object would end in "}}".
+        return line[: -len(_NULL_USAGE_TAIL)] + b"}" + raw[len(line) :]
+    stripped, n = _NULL_USAGE.subn(b"", raw, count=1)
+    if n != 1:
+        return None
+    data = b"\n".join(line[5:].lstrip(b" ") for line in stripped.splitlines() if line.startswith(b"data:"))
+    try:
+        ok = orjson.loads(data) == {k: v for k, v in chunk.items() if k != "usage"}
+    except orjson.JSONDecodeError:
+        ok = False
+    return stripped if ok else None
