@@ -30,6 +30,7 @@ from .metrics import ProxyMetrics
 from .pipeline import Pipeline
 from .store.base import TranscriptStore
 from .store.factory import make_store
+from .store.local import LocalStore
 from .tokens import TokenCounter
 from .upstream import Upstream
 
@@ -106,7 +107,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     except BaseException:
         await session.close()
         raise
-    app[PIPELINE] = Pipeline(settings, Upstream(session, settings.upstream), store, app[METRICS], app[PRICES], tokens)
+    app[PIPELINE] = Pipeline(settings, Upstream(session, settings.upstream), LocalStore(store), app[METRICS], app[PRICES], tokens)
     maintenance = asyncio.create_task(_maintain(app), name="kvwarm-maintenance")
     app[METRICS].track_store(store.stats)
     app[READY].set()
