@@ -2,7 +2,7 @@
 
 An element is a message, or the ``tools`` array (element 0 of every request). Two
 elements have the same identity when restoring the stored one's bytes would change
-nothing the model is meant to see (DESIGN.md, "Identity"):
+nothing the model is meant to see (docs/ARCHITECTURE.md, "Identity"):
 
 * key order in any object (the hash input is serialized with sorted keys);
 * ``null`` / ``[]`` / ``""`` versus an absent field, at any level of a message; the
@@ -534,7 +534,8 @@ def message_identity(msg: Any, policy: Policy | None = None) -> bytes:
     return identify_message(msg, policy)[0]
 
 
-def _strip_cache_control(definition: Any) -> Any:
+def strip_cache_control(definition: Any) -> Any:
+    """A tool definition without its definition-level ``cache_control`` (a marker, not tokens)."""
     if type(definition) is dict and "cache_control" in definition:
         return {k: v for k, v in definition.items() if k != "cache_control"}
     return definition
@@ -542,7 +543,7 @@ def _strip_cache_control(definition: Any) -> Any:
 
 def canonical_tool_definition(definition: Any) -> bytes:
     """Comparison key of one tool definition: sorted keys, definition-level ``cache_control`` dropped."""
-    return _dump_any(_strip_cache_control(definition))
+    return _dump_any(strip_cache_control(definition))
 
 
 def tools_identity(tools: Any) -> bytes:

@@ -120,7 +120,7 @@ def _collapsible(msg: Any) -> bool:
 
 
 def _stored_order(
-    parent: bytes, members: list[int], ids: list[bytes], store: NodeReader
+    parent: bytes, members: list[int], ids: Sequence[bytes], store: NodeReader
 ) -> list[tuple[int, bytes, Node]] | None:
     """The stored order of a whole tool-result group under ``parent``, preferring the request's
     order at each step (depth-first, bounded); None when no stored path holds the whole group."""
@@ -150,6 +150,31 @@ def _stored_order(
         return False
 
     return path if walk(parent, members) else None
+
+
+def _regroup(
+    group: tuple[int, int],
+    i: int,
+    msg_ids: Sequence[bytes],
+    store: NodeReader,
+    order: list[int],
+    keys: list[bytes],
+    nodes: list[Node],
+) -> bool:
+    """Look for the whole tool-result group ``group`` (left at message ``i``) in its stored order,
+    starting over from the group's parent; on success rewrite the tails of ``order``, ``keys`` and
+    ``nodes`` in place."""
+    start, end = group
+    kept = len(order) - (i - start)
+    found = _stored_order(keys[kept], list(range(start, end)), msg_ids, store)
+    if found is None:
+        return False
+    del order[kept:], keys[kept + 1 :], nodes[kept + 1 :]
+    for r, key, node in found:
+        order.append(r)
+        keys.append(key)
+        nodes.append(node)
+    return True
 
 
 def match_request(
@@ -206,22 +231,12 @@ def match_request(
             else:
                 matching = False
                 group = _group_around(messages, i) if rewrite else None
-                if group is not None:
-                    # Left the tree inside a tool-result group: look for the whole group in
-                    # the stored order, starting over from the group's parent.
-                    start, end = group
-                    kept = len(order) - (i - start)
-                    found = _stored_order(keys[kept], list(range(start, end)), msg_ids, store)
-                    if found is not None:
-                        del order[kept:], keys[kept + 1 :], nodes[kept + 1 :]
-                        for r, key, node in found:
-                            order.append(r)
-                            keys.append(key)
-                            nodes.append(node)
-                        parent = key
-                        matching = True
-                        i = end
-                        continue
+                if group is not None and _regroup(group, i, msg_ids, store, order, keys, nodes):
+                    # Left the tree inside a tool-result group, found whole in the stored order.
+                    parent = keys[-1]
+                    matching = True
+                    i = group[1]
+                    continue
         order.append(i)
         keys.append(key)
         parent = key

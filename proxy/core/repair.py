@@ -19,7 +19,13 @@ from typing import Any
 
 import orjson
 
-from .identity import canonical_tool_call, canonical_tool_definition, is_text_part, single_text
+from .identity import (
+    canonical_tool_call,
+    canonical_tool_definition,
+    is_text_part,
+    single_text,
+    strip_cache_control,
+)
 from .match import Match, tool_groups
 from .policy import Policy
 
@@ -148,12 +154,6 @@ def _order_repairs(messages: Sequence[Any], order: Sequence[int]) -> list[Repair
 # -- tools -------------------------------------------------------------------------------------
 
 
-def _without_cache_control(definition: Any) -> Any:
-    if type(definition) is dict and "cache_control" in definition:
-        return {k: v for k, v in definition.items() if k != "cache_control"}
-    return definition
-
-
 def _repair_tools(client: Any, stored_body: bytes) -> tuple[list[Any], str] | None:
     """The stored tools array, each definition carrying the client's own ``cache_control``."""
     if stored_body == b"[]" or type(client) is not list:
@@ -177,14 +177,14 @@ def _repair_tools(client: Any, stored_body: bytes) -> tuple[list[Any], str] | No
         if not slots:
             return None  # not the same set after all: leave it as sent
         c = client[slots.pop(0)]
-        d = _without_cache_control(d)
+        d = strip_cache_control(d)
         if type(c) is dict and "cache_control" in c and type(d) is dict:
             d = {**d, "cache_control": c["cache_control"]}
         repaired.append(d)
     if orjson.dumps(repaired) == client_bytes:
         return None
-    as_sent = sorted(orjson.dumps(_without_cache_control(d)) for d in client)
-    as_stored = sorted(orjson.dumps(_without_cache_control(d)) for d in stored)
+    as_sent = sorted(orjson.dumps(strip_cache_control(d)) for d in client)
+    as_stored = sorted(orjson.dumps(strip_cache_control(d)) for d in stored)
     return repaired, ("tools_order" if as_sent == as_stored else "tools_schema")
 
 

@@ -84,6 +84,7 @@ from ..errors import TranscriptFormatError
 from .identity import message_identity, tools_identity
 from .model import ROLE_TOOLS, Node, SessionTotals, chain
 from .policy import Policy
+from .texts import REASONING_FIELDS, calls, content_parts
 
 __all__ = [
     "END_MARKER",
@@ -298,26 +299,12 @@ def _readable(role: str, body: str) -> str:
     call_id = value.get("tool_call_id")
     if isinstance(call_id, str):
         out.append(f"(result of {call_id})")
-    for key in ("reasoning_content", "reasoning", "thinking"):
+    for key in REASONING_FIELDS:
         text = value.get(key)
         if isinstance(text, str) and text:
             out.append(f"(reasoning) {text}")
-    content = value.get("content")
-    if isinstance(content, str):
-        out.append(content)
-    elif isinstance(content, list):
-        for part in content:
-            if isinstance(part, dict) and isinstance(part.get("text"), str):
-                out.append(part["text"])
-            else:
-                kind = part.get("type") if isinstance(part, dict) else None
-                out.append(f"[{kind if isinstance(kind, str) else 'part'}]")
-    calls = value.get("tool_calls")
-    if isinstance(calls, list):
-        for call in calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict):
-                out.append(f"→ {fn.get('name')}({fn.get('arguments')})")
+    out.extend(text if is_text else f"[{text}]" for text, is_text in content_parts(value.get("content")))
+    out.extend(f"→ {name}({arguments})" for name, arguments in calls(value))
     return "\n".join(out) if out else "(no content)"
 
 

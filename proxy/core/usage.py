@@ -70,76 +70,19 @@ def extract_usage(obj: Mapping[str, Any]) -> Usage | None:
         return None
     usage = _mapping(obj.get("usage"))
     openhuman = _mapping(obj.get("openhuman"))
-    oh_usage = _mapping(openhuman.get("usage"))
-    billing = _mapping(openhuman.get("billing"))
     timings = _timings(obj.get("timings"))
-
-    prompt_details = _mapping(usage.get("prompt_tokens_details"))
-    input_details = _mapping(usage.get("input_tokens_details"))
-    details = prompt_details or input_details
+    details = _mapping(usage.get("prompt_tokens_details")) or _mapping(usage.get("input_tokens_details"))
     completion_details = _mapping(usage.get("completion_tokens_details")) or _mapping(
         usage.get("output_tokens_details")
     )
-
-    prompt = _count(usage.get("prompt_tokens"))
-    completion = _count(usage.get("completion_tokens"))
-    input_tokens = _count(usage.get("input_tokens"))
-    output_tokens = _count(usage.get("output_tokens"))
-    cache_read = _count(usage.get("cache_read_input_tokens"))
-    cache_creation = _count(usage.get("cache_creation_input_tokens"))
-    hit = _count(usage.get("prompt_cache_hit_tokens"))
-    miss = _count(usage.get("prompt_cache_miss_tokens"))
-    openai_cached = _count(details.get("cached_tokens"))
-
-    if prompt is None:
-        if hit is not None and miss is not None:
-            prompt = hit + miss
-        elif input_tokens is not None:
-            if input_details:
-                # Responses API: input_tokens already includes the cached tokens.
-                prompt = input_tokens
-            else:
-                # Anthropic: input_tokens counts only what was neither read nor written.
-                prompt = input_tokens + (cache_read or 0) + (cache_creation or 0)
-    if completion is None:
-        completion = output_tokens
-
-    # openhuman's block wins field by field; the standard block is the fallback.
-    oh_prompt = _count(oh_usage.get("input_tokens"))
-    oh_completion = _count(oh_usage.get("output_tokens"))
-    oh_cached = _count(oh_usage.get("cached_input_tokens"))
-    if oh_prompt is not None:
-        prompt = oh_prompt
-    if oh_completion is not None:
-        completion = oh_completion
-
-    cached: int | None = None
-    source = "openai"
-    cache_n = _count(timings.get("cache_n")) if timings else None
-    for value, shape in (
-        (oh_cached, "openhuman"),
-        (hit, "deepseek"),
-        (cache_read, "anthropic"),
-        (openai_cached, "openai"),
-        (cache_n, "llamacpp"),
-    ):
-        if value is not None:
-            cached, source = value, shape
-            break
-
-    if timings:
-        prompt_n = _count(timings.get("prompt_n"))
-        if prompt is None and cache_n is not None and prompt_n is not None:
-            prompt = cache_n + prompt_n
-        if completion is None:
-            completion = _count(timings.get("predicted_n"))
-
-    cache_write = cache_creation
+    prompt, completion = _token_totals(usage, _mapping(openhuman.get("usage")), timings)
+    cached, source = _cached(usage, details, _mapping(openhuman.get("usage")), timings)
+    cache_write = _count(usage.get("cache_creation_input_tokens"))
     if cache_write is None:
         cache_write = _count(details.get("cache_write_tokens"))
     reasoning = _count(completion_details.get("reasoning_tokens"))
 
-    billed = _usd(billing.get("charged_amount_usd"))
+    billed = _usd(_mapping(openhuman.get("billing")).get("charged_amount_usd"))
     if billed is None and usage.get("is_byok") is not True:
         # OpenRouter bills in credits of one USD; with BYOK `cost` is only its fee.
         billed = _usd(usage.get("cost"))
@@ -164,6 +107,64 @@ def extract_usage(obj: Mapping[str, Any]) -> Usage | None:
         source=source,
         timings=timings or None,
     )
+
+
+def _token_totals(
+    usage: Mapping[str, Any], oh_usage: Mapping[str, Any], timings: Mapping[str, float]
+) -> tuple[int | None, int | None]:
+    """Prompt (cached included) and completion tokens, from whichever shape the response uses."""
+    prompt = _count(usage.get("prompt_tokens"))
+    completion = _count(usage.get("completion_tokens"))
+    input_tokens = _count(usage.get("input_tokens"))
+    hit = _count(usage.get("prompt_cache_hit_tokens"))
+    miss = _count(usage.get("prompt_cache_miss_tokens"))
+    if prompt is None:
+        if hit is not None and miss is not None:
+            prompt = hit + miss
+        elif input_tokens is not None:
+            if _mapping(usage.get("input_tokens_details")):
+                # Responses API: input_tokens already includes the cached tokens.
+                prompt = input_tokens
+            else:
+                # Anthropic: input_tokens counts only what was neither read nor written.
+                cache_read = _count(usage.get("cache_read_input_tokens")) or 0
+                prompt = input_tokens + cache_read + (_count(usage.get("cache_creation_input_tokens")) or 0)
+    if completion is None:
+        completion = _count(usage.get("output_tokens"))
+    # openhuman's block wins field by field; the standard block is the fallback.
+    oh_prompt = _count(oh_usage.get("input_tokens"))
+    oh_completion = _count(oh_usage.get("output_tokens"))
+    if oh_prompt is not None:
+        prompt = oh_prompt
+    if oh_completion is not None:
+        completion = oh_completion
+    if timings:
+        cache_n = _count(timings.get("cache_n"))
+        prompt_n = _count(timings.get("prompt_n"))
+        if prompt is None and cache_n is not None and prompt_n is not None:
+            prompt = cache_n + prompt_n
+        if completion is None:
+            completion = _count(timings.get("predicted_n"))
+    return prompt, completion
+
+
+def _cached(
+    usage: Mapping[str, Any],
+    details: Mapping[str, Any],
+    oh_usage: Mapping[str, Any],
+    timings: Mapping[str, float],
+) -> tuple[int | None, str]:
+    """The cached prompt tokens and the shape that reported them (None: unknown, not zero)."""
+    for value, shape in (
+        (_count(oh_usage.get("cached_input_tokens")), "openhuman"),
+        (_count(usage.get("prompt_cache_hit_tokens")), "deepseek"),
+        (_count(usage.get("cache_read_input_tokens")), "anthropic"),
+        (_count(details.get("cached_tokens")), "openai"),
+        (_count(timings.get("cache_n")) if timings else None, "llamacpp"),
+    ):
+        if value is not None:
+            return value, shape
+    return None, "openai"
 
 
 def merge_usage(a: Usage | None, b: Usage | None) -> Usage | None:

@@ -1,4 +1,4 @@
-"""Identity is blind to exactly the safe drifts (DESIGN.md "Identity") and sees every semantic one."""
+"""Identity is blind to exactly the safe drifts (docs/ARCHITECTURE.md, "Identity") and sees every semantic one."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Drifting agents through kvwarm keep the upstream's cache as warm as agents that never drift.
 
-Each safe drift class of DESIGN.md runs as a multi-turn tool-using conversation
+Each safe drift class (docs/ARCHITECTURE.md, "Identity") runs as a multi-turn tool-using conversation
 in both cache modes of the reference upstream. The comparison is against the
 same agent without drift talking to the upstream directly: per turn, the
 prompt the upstream renders from what kvwarm forwarded must be token-identical,
