@@ -271,7 +271,7 @@ def forwarded_elements(match: Match, forwarded: Mapping[str, Any]) -> list[Any]:
 def new_nodes(
     match: Match,
     forwarded: Mapping[str, Any],
-    reply: Mapping[str, Any] | None,
+    replies: Sequence[Mapping[str, Any]],
     *,
     generated_partial: bool,
     now: float,
@@ -280,8 +280,8 @@ def new_nodes(
     """Nodes to insert after a successful exchange, parents first.
 
     One node per forwarded element at depth >= ``match.matched`` (body: the element as
-    forwarded), then, when ``reply`` is given, the assistant reply as generated (a child of
-    the last element, ``generated=True``).
+    forwarded), then each generated reply element as generated (the first a child of the
+    last element, each next one a child of the one before; ``generated=True``).
     """
     elements = forwarded_elements(match, forwarded)
     out: list[Node] = []
@@ -303,17 +303,18 @@ def new_nodes(
                 created=now,
             )
         )
-    if reply is not None:
-        parent = match.keys[-1]
-        identity = message_identity(reply, match.policy)
-        body = orjson.dumps(reply)
+    parent = match.keys[-1]
+    for message in replies:
+        identity = message_identity(message, match.policy)
+        body = orjson.dumps(message)
+        key = chain(parent, identity)
         out.append(
             Node(
-                key=chain(parent, identity),
+                key=key,
                 parent=parent,
                 tenant=root,
-                depth=len(match.keys),
-                role=_role(reply) or "assistant",
+                depth=out[-1].depth + 1 if out else len(match.keys),
+                role=_role(message) or "assistant",
                 identity=identity,
                 body=body,
                 tokens=count_tokens(body),
@@ -322,6 +323,7 @@ def new_nodes(
                 created=now,
             )
         )
+        parent = key
     return out
 
 

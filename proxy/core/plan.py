@@ -109,11 +109,11 @@ def turn_write(
     match = plan.match
     if match is None:
         return None
-    message = reply.message if reply is not None and _has_output(reply.message) else None
+    replies = [m for m in reply.messages if _has_output(m)] if reply is not None else []
     drafts = new_nodes(
         match,
         plan.forwarded,
-        message,
+        replies,
         generated_partial=bool(reply is not None and (reply.partial or client_gone)),
         now=now,
         count_tokens=count_tokens,
@@ -140,4 +140,4 @@ def turn_write(
 
 
 def _has_output(message: Mapping[str, Any]) -> bool:
-    return bool(message.get("content") or message.get("tool_calls") or message.get("reasoning_content"))
+    return any(message.get(k) for k in ("content", "tool_calls", "reasoning_content", "encrypted_content"))

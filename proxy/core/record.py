@@ -34,6 +34,13 @@ class Reply:
     partial: bool
     """The stream ended without a ``finish_reason``: what the client got was cut short."""
     model: str | None
+    following: tuple[dict[str, Any], ...] = ()
+    """Further generated elements after ``message``, in order (a Responses reply may hold several
+    output items: a reasoning item, then function calls); each becomes its own node."""
+
+    @property
+    def messages(self) -> tuple[dict[str, Any], ...]:
+        return (self.message, *self.following)
 
 
 def reply_from_body(body: Mapping[str, Any]) -> Reply | None:

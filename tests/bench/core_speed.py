@@ -64,7 +64,7 @@ def _store_with_previous_turn(messages: list[Message], root: bytes) -> tuple[Mem
     memo = IdentityMemo()
     previous = chat_body(copy.deepcopy(messages[:a]))
     match = match_request(previous, root, store, POLICY, memo)
-    store.insert(new_nodes(match, previous, messages[a], generated_partial=False, now=time.time(), count_tokens=_free))
+    store.insert(new_nodes(match, previous, [messages[a]], generated_partial=False, now=time.time(), count_tokens=_free))
     # The reply comes back in the next request in the bytes the client keeps; the memo learns it then.
     match_request(chat_body(copy.deepcopy(messages[: a + 1])), root, store, POLICY, memo)
     return store, memo
@@ -173,7 +173,7 @@ def _record_costs(table: Table, root: bytes, seconds: float) -> None:
     body = chat_body(messages)
     empty = MemoryStore(ttl_seconds=3600, max_bytes=1 << 40, secret=SECRET)
     match = match_request(body, root, empty, POLICY)
-    nodes = new_nodes(match, body, None, generated_partial=False, now=0.0, count_tokens=_free)
+    nodes = new_nodes(match, body, [], generated_partial=False, now=0.0, count_tokens=_free)
     bodies = [n.body for n in nodes]
     total = sum(len(b) for b in bodies)
     count = len(nodes)
@@ -184,7 +184,7 @@ def _record_costs(table: Table, root: bytes, seconds: float) -> None:
             orjson.loads(b)
 
     def build() -> None:
-        new_nodes(match, body, None, generated_partial=False, now=0.0, count_tokens=_free)
+        new_nodes(match, body, [], generated_partial=False, now=0.0, count_tokens=_free)
 
     def insert() -> None:
         MemoryStore(ttl_seconds=3600, max_bytes=1 << 40, secret=SECRET).insert(nodes)

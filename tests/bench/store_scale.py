@@ -67,7 +67,7 @@ def record_turn(
 ) -> list[bytes]:
     """What the pipeline does after a successful exchange; returns the new nodes' keys."""
     match = match_request(body, root, store, POLICY)
-    nodes = new_nodes(match, body, reply, generated_partial=False, now=now, count_tokens=_tokens)
+    nodes = new_nodes(match, body, [reply] if reply is not None else [], generated_partial=False, now=now, count_tokens=_tokens)
     store.insert(nodes)
     store.touch(match.keys[: match.matched], now)
     leaf = nodes[-1].key if nodes else match.keys[-1]

@@ -212,7 +212,7 @@ def test_new_nodes_only_below_the_matched_prefix(session: Session) -> None:
         new_nodes(
             m,
             make_chat(user("hi"), assistant("yo"), user("next")),
-            None,
+            [],
             generated_partial=False,
             now=0.0,
             count_tokens=counting,
