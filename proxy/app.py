@@ -10,22 +10,23 @@ store gauges).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
-import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from . import __version__
 from .admin import add_admin_routes
-from .appkeys import METRICS, PIPELINE, PRICES, READY, REGISTRY, SETTINGS, STORE
+from .appkeys import ACTIVITY, HISTORY, METRICS, PIPELINE, PRICES, READY, REGISTRY, SETTINGS, STORE
 from .config import Settings
 from .core.pricing import PriceTable
-from .errors import ProxyError
+from .errors import MetricsUnauthorized, ProxyError, error_body
+from .guard import guard_middleware, send_and_close, shown_path
 from .metrics import ProxyMetrics
 from .pipeline import Pipeline
 from .store.base import TranscriptStore
@@ -33,6 +34,9 @@ from .store.factory import make_store
 from .store.local import LocalStore
 from .tokens import TokenCounter
 from .upstream import Upstream
+from .web.activity import Activity
+from .web.history import History
+from .web.routes import add_web_routes
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +46,7 @@ MAINTENANCE_INTERVAL = 15.0
 
 def error_response(status: int, message: str, error_type: str, code: str) -> web.Response:
     """The one place an error becomes an OpenAI-shaped JSON body."""
-    body = orjson.dumps({"error": {"message": message, "type": error_type, "code": code, "param": None}})
-    return web.Response(status=status, body=body, content_type="application/json")
+    return web.Response(status=status, body=error_body(message, error_type, code), content_type="application/json")
 
 
 @web.middleware
@@ -53,8 +56,11 @@ async def errors_middleware(
     try:
         return await handler(request)
     except ProxyError as exc:
-        log.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc)
-        return error_response(exc.status, str(exc), exc.error_type, exc.code)
+        log.warning("%s %s -> %d %s", request.method, shown_path(request), exc.status, exc)
+        response = error_response(exc.status, str(exc), exc.error_type, exc.code)
+        if exc.close_connection:
+            await send_and_close(request, response)
+        return response
 
 
 def create_app(
@@ -67,7 +73,8 @@ def create_app(
     """Build the proxy app. Tests inject a fresh registry and, when they want, a store."""
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
-        middlewares=[errors_middleware],
+        # errors_middleware first: it turns the guard's refusals into OpenAI-shaped bodies too.
+        middlewares=[errors_middleware, guard_middleware],
     )
     registry = registry if registry is not None else CollectorRegistry()
     app[SETTINGS] = settings
@@ -90,6 +97,9 @@ def create_app(
     if settings.metrics.enabled:
         app.router.add_get(settings.metrics.path, metrics_endpoint)
     add_admin_routes(app)
+    app[ACTIVITY] = Activity()  # the /kvwarm/ page: break examples, counter history, its routes and sampler
+    app[HISTORY] = History(started=time.time())
+    add_web_routes(app)
     app.router.add_route("*", "/v1/{tail:.*}", proxy_handler)
     app.router.add_route("*", "/v1", proxy_handler)
     return app
@@ -107,7 +117,10 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     except BaseException:
         await session.close()
         raise
-    app[PIPELINE] = Pipeline(settings, Upstream(session, settings.upstream), LocalStore(store), app[METRICS], app[PRICES], tokens)
+    app[PIPELINE] = Pipeline(
+        settings, Upstream(session, settings.upstream), LocalStore(store), app[METRICS], app[PRICES], tokens,
+        breaks=app[ACTIVITY],
+    )
     maintenance = asyncio.create_task(_maintain(app), name="kvwarm-maintenance")
     app[METRICS].track_store(store.stats)
     app[READY].set()
@@ -152,5 +165,10 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
+    token = request.app[SETTINGS].metrics.token
+    if token:
+        scheme, _, presented = request.headers.get(hdrs.AUTHORIZATION, "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), token.encode()):
+            raise MetricsUnauthorized("the metrics need 'Authorization: Bearer <metrics.token>'")
     body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

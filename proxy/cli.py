@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .config import Settings, load_settings
 from .errors import ConfigError, KvwarmError
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 log = logging.getLogger("proxy")
 
@@ -58,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--openhuman", action="store_true", help="add openhuman.usage / openhuman.billing blocks")
     sim.add_argument("--ttft-per-token", metavar="S", type=float, default=0.0, help="seconds of time-to-first-token per uncached prompt token")
     sim.add_argument("--chunk-delay", metavar="S", type=float, default=0.0, help="seconds between streamed chunks")
+    sim.add_argument("--kv-capacity-tokens", metavar="N", type=int, default=None, help="bound the prefix cache to N tokens of KV blocks, least recently used evicted first (default: practically unbounded, 200000 blocks)")
     sim.set_defaults(func=cmd_sim)
 
     sessions = sub.add_parser("sessions", help="list stored sessions", description="List stored sessions.")
@@ -90,15 +95,19 @@ def settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
 
 
 def configure_logging(level: str) -> None:
+    from .guard import quiet_malformed_requests
+
     logging.basicConfig(
         level=level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # A request aiohttp cannot parse (a huge header, a bad request line) is one WARNING line.
+    quiet_malformed_requests()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
+    from aiohttp.web_runner import GracefulExit
 
     from .app import create_app
 
@@ -113,20 +122,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     configure_logging(settings.log.level)
     app = create_app(settings)
-    web.run_app(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        shutdown_timeout=settings.server.shutdown_timeout,
-        handler_cancellation=True,
-        access_log=None,
-        loop=_new_loop(settings.server.uvloop),
-        print=lambda *_: log.info(
-            "kvwarm listening on http://%s:%d/v1 -> %s",
-            settings.server.host, settings.server.port, settings.upstream.base_url,
-        ),
-    )
+    # web.run_app, unrolled: its TCP site has no connection cap (proxy.guard.GuardedSite has).
+    loop = _new_loop(settings.server.uvloop)
+    asyncio.set_event_loop(loop)
+    main = loop.create_task(_serve(app, settings))
+    try:
+        loop.run_until_complete(main)
+    except (GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            if not main.done():
+                main.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    loop.run_until_complete(main)
+        finally:
+            rest = asyncio.all_tasks(loop)
+            for task in rest:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*rest, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            asyncio.set_event_loop(None)
+            loop.close()
     return 0
+
+
+async def _serve(app: web.Application, settings: Settings) -> None:
+    """Listen until SIGINT / SIGTERM (GracefulExit), then stop as ``web.run_app`` does: in-flight
+    requests get ``server.shutdown_timeout`` seconds, then the app's resources close."""
+    from .guard import start_server
+
+    runner, site = await start_server(app, settings, handle_signals=True)
+    try:
+        log.info("kvwarm listening on http://%s:%d/v1 -> %s", settings.server.host, site.port, settings.upstream.base_url)
+        await asyncio.Event().wait()  # until cancelled
+    finally:
+        await runner.cleanup()
 
 
 def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
@@ -147,12 +178,16 @@ def cmd_sim(args: argparse.Namespace) -> int:
     from .sim.server import SimConfig, create_sim_app
 
     configure_logging("INFO")
-    config = SimConfig(
-        cache_mode=args.cache,
-        openhuman=args.openhuman,
-        ttft_per_uncached_token=args.ttft_per_token,
-        chunk_delay=args.chunk_delay,
-    )
+    try:
+        config = SimConfig(
+            cache_mode=args.cache,
+            openhuman=args.openhuman,
+            ttft_per_uncached_token=args.ttft_per_token,
+            chunk_delay=args.chunk_delay,
+            kv_capacity_tokens=args.kv_capacity_tokens,
+        )
+    except ValueError as exc:
+        raise ConfigError("upstream-sim", str(exc)) from None
     web.run_app(
         create_sim_app(config),
         host=args.host,

@@ -32,6 +32,15 @@ class ServerSettings:
     """Seconds in-flight requests get to finish on SIGTERM / Ctrl-C."""
     uvloop: bool = True
     """Run on uvloop when it is installed (measured faster; see ``make bench``)."""
+    body_timeout: float = 60.0
+    """Seconds a request body may take to arrive in full; slower: 408 and the connection closed."""
+    header_timeout: float = 60.0
+    """Seconds a connection may wait for a request's complete headers, from when it opened or its
+    previous response ended; then it is closed. aiohttp's keep-alive timeout, which is also its
+    only deadline on headers: idle keep-alive connections close after it too."""
+    max_connections: int = 512
+    """Client connections open at once (idle keep-alive ones included); one more is answered 503
+    and closed at once. Keep it plus ``upstream.max_connections`` under the open-file limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +71,8 @@ class StoreSettings:
     """Header naming the tenant. Empty: the ``Authorization`` value is the tenant."""
     flush_interval: float = 0.5
     """Seconds between batched writes of the sqlite store."""
+    import_max_bytes: int = 64 * 1024 * 1024
+    """``kvwarm import`` refuses a transcript file larger than this (checked before and while reading)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +92,8 @@ class MetricsSettings:
     """Distinct ``model`` label values; later models are counted as ``other``."""
     prices_file: str = ""
     """Price table (TOML). Empty: the shipped ``config/prices.toml``."""
+    token: str = ""
+    """Bearer token the metrics path requires. Empty: open (as Prometheus exporters usually are)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +262,11 @@ def _validate(s: Settings) -> None:
         raise ConfigError("server.port", f"must be 0-65535, got {s.server.port}")
     if s.server.max_body_bytes <= 0:
         raise ConfigError("server.max_body_bytes", "must be positive")
+    for name in ("body_timeout", "header_timeout"):
+        if getattr(s.server, name) <= 0:
+            raise ConfigError(f"server.{name}", "must be a positive number of seconds")
+    if s.server.max_connections <= 0:
+        raise ConfigError("server.max_connections", "must be positive")
     url = urlsplit(s.upstream.base_url)
     if url.scheme not in {"http", "https"} or not url.netloc:
         raise ConfigError("upstream.base_url", f"must be an http(s) URL, got {s.upstream.base_url!r}")
@@ -266,6 +284,8 @@ def _validate(s: Settings) -> None:
         raise ConfigError("store.max_bytes", "must be positive")
     if s.store.flush_interval <= 0:
         raise ConfigError("store.flush_interval", "must be positive")
+    if s.store.import_max_bytes <= 0:
+        raise ConfigError("store.import_max_bytes", "must be positive")
     if not s.metrics.path.startswith("/"):
         raise ConfigError("metrics.path", "must start with '/'")
     if s.metrics.max_models < 1:

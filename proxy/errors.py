@@ -8,22 +8,31 @@
      │    └── CorruptEntry              a stored node or blob failed to decode or verify
      ├── TranscriptFormatError (ValueError)
      │                                  a Markdown transcript is malformed; names the line
-     ├── ImportRefused                  a well-formed transcript this store cannot use
+     ├── ImportRefused                  a transcript file this store will not import
      └── ProxyError                     a request cannot be served; becomes an OpenAI-style body
+          ├── BadPath                   400  (a path that could leave upstream.base_url)
+          ├── BodyMalformed             400  (chunked or compressed framing of the body broken)
           ├── AdminBadRequest           400  (admin API parameters)
           ├── AdminUnauthorized         401  (admin API without a valid credential)
+          ├── MetricsUnauthorized       401  (/metrics without metrics.token)
           ├── SessionNotFound           404  (admin API)
+          ├── BodyTimeout               408  (the body did not arrive within server.body_timeout)
           ├── BodyTooLarge              413
           ├── UpstreamUnreachable       502
+          ├── TooManyConnections        503  (server.max_connections reached; written raw)
           └── UpstreamTimeout           504
 
 Library errors (aiohttp, sqlite3, orjson) are converted once, at the boundary
 that called the library (``raise UpstreamTimeout(...) from exc``). A
 :class:`ProxyError` becomes a JSON error body in exactly one place,
-:func:`proxy.app.error_response`.
+:func:`proxy.app.error_response` (its bytes: :func:`error_body`, which the connection
+cap also writes, before any request exists). A ``close_connection`` error closes the
+client's connection once its response is sent.
 """
 
 from __future__ import annotations
+
+import orjson
 
 
 class KvwarmError(Exception):
@@ -57,7 +66,8 @@ class TranscriptFormatError(KvwarmError, ValueError):
 
 
 class ImportRefused(KvwarmError):
-    """A well-formed transcript that this store cannot use (exported under another server secret)."""
+    """A transcript file this store will not import: not a regular file, over
+    ``store.import_max_bytes``, or exported under another server secret."""
 
 
 class ProxyError(KvwarmError):
@@ -66,6 +76,48 @@ class ProxyError(KvwarmError):
     status = 500
     error_type = "kvwarm_error"
     code = "internal_error"
+    close_connection = False
+    """True: the connection is closed once the error response is sent (the client cannot be
+    trusted with a next request on it, e.g. it stalled in the middle of a body)."""
+
+
+def error_body(message: str, error_type: str, code: str) -> bytes:
+    """An OpenAI-shaped error body: ``{"error": {"message", "type", "code", "param"}}``."""
+    return orjson.dumps({"error": {"message": message, "type": error_type, "code": code, "param": None}})
+
+
+class BadPath(ProxyError):
+    """A path with dot segments, encoded or double-encoded separators, control characters,
+    backslashes or other bytes that would not reach the upstream as sent."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_path"
+
+
+class BodyMalformed(ProxyError):
+    status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_body"
+
+
+class BodyTimeout(ProxyError):
+    status = 408
+    error_type = "invalid_request_error"
+    code = "request_timeout"
+    close_connection = True
+
+
+class TooManyConnections(ProxyError):
+    status = 503
+    error_type = "server_error"
+    code = "too_many_connections"
+
+
+class MetricsUnauthorized(ProxyError):
+    status = 401
+    error_type = "invalid_request_error"
+    code = "unauthorized"
 
 
 class BodyTooLarge(ProxyError):

@@ -5,10 +5,12 @@ Each opens the configured store directly (``--store`` / ``--config``, parsed by
 logic is :mod:`proxy.sessions`'; this module only prints.
 
 A store in use by a running ``kvwarm serve`` can be listed, shown and exported
-(sessions of the last ``store.flush_interval`` may be missing). Import into a
+(sessions of the last ``store.flush_interval`` may be missing); a damaged sqlite file
+makes these fail, and is moved aside only by ``serve`` and ``import``. Import into a
 store no server has open: a running server would not see the imported sessions
 until restarted. Exit status: 0 on success, 1 when anything failed (a session
-not found, a transcript refused: each reported on stderr with its file and line).
+not found, a transcript refused: each reported on stderr with its file, line and
+problem, never with the file's content).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .core import transcript_md
 from .core.policy import Policy
 from .store.base import SessionInfo, TranscriptStore
 from .store.factory import make_store
+from .store.sqlite import SqliteStore
 
 __all__ = ["run"]
 
@@ -50,10 +53,12 @@ def run(
         raise ValueError(f"unknown inspection command {name!r}")
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
-    return asyncio.run(_with_store(command, args, settings, out, err))
+    return asyncio.run(_with_store(command, args, settings, out, err, writes=name == "import"))
 
 
-async def _with_store(command: _Command, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
+async def _with_store(
+    command: _Command, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO, *, writes: bool
+) -> int:
     s = settings.store
     store = make_store(
         s.backend,
@@ -62,6 +67,10 @@ async def _with_store(command: _Command, args: argparse.Namespace, settings: Set
         secret=s.secret,
         flush_interval=s.flush_interval,
     )
+    if isinstance(store, SqliteStore):
+        # Reading commands may run beside a server: a damaged file is reported, never moved
+        # from under it. Import writes (into a store no server has open) and may start afresh.
+        store.set_aside_damaged = writes
     await store.open()
     try:
         # Synchronous on purpose: the store is not thread-safe, and nothing else runs meanwhile.
@@ -140,17 +149,22 @@ def _import(store: TranscriptStore, args: argparse.Namespace, settings: Settings
     root = sessions.new_root(store, key, settings.store.tenant_header) if key else None
     r = settings.repair
     policy = Policy.build(r.enabled, r.collapse_duplicates, r.pin_patterns)
-    report = sessions.import_dir(store, directory, policy, root)
+    report = sessions.import_dir(store, directory, policy, root, max_bytes=settings.store.import_max_bytes)
     for path, outcome in report.imported:
         state = "imported" if outcome.new_session else "already present"
-        out.write(f"{path}: {state}: session {sessions.session_id(outcome.leaf)} ({outcome.new_nodes} new nodes)\n")
+        out.write(f"{_printable(path)}: {state}: session {sessions.session_id(outcome.leaf)} ({outcome.new_nodes} new nodes)\n")
     for path, problem in report.refused:
-        err.write(f"kvwarm: import: {path}: {problem}; nothing of it was imported\n")
+        err.write(f"kvwarm: import: {_printable(path)}: {problem}; nothing of it was imported\n")
     err.write(
         f"kvwarm: imported {sum(o.new_session for _, o in report.imported)} sessions from "
         f"{len(report.imported)} files; {len(report.refused)} files refused\n"
     )
     return FAILED if report.refused else OK
+
+
+def _printable(path: Path) -> str:
+    """A file name for the terminal: control characters (a name may hold escape sequences) as ``\\xNN``."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in str(path))
 
 
 _COMMANDS: Mapping[str, _Command] = {

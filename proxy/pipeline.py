@@ -28,8 +28,9 @@ from .core.plan import TurnPlan, turn_write
 from .core.policy import Policy
 from .core.pricing import PriceTable, cost_of
 from .core.usage import Usage
-from .errors import BodyTooLarge, ProxyError
+from .errors import ProxyError
 from .failopen import FailOpen
+from .guard import read_body
 from .metrics import ProxyMetrics
 from .relay import RelayOutcome, relay
 from .report import Answer, BreakSink, Reporter, visibility_headers
@@ -38,8 +39,9 @@ from .tenancy import TenantRoots
 from .tokens import TokenCounter
 from .traits import UpstreamTraits
 from .upstream import UpstreamSender, forward_request_headers
-from .wire.base import KEEP, Verdict
-from .wire.chat import ChatWire, Outgoing
+from .wire.base import KEEP, Outgoing, Verdict, Wire
+from .wire.chat import ChatWire
+from .wire.responses import ResponsesWire
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ FILL_ROUNDS = 3
 STORE_BUDGET = 0.25
 """Seconds a request may wait for a shared store, in all; beyond, it is forwarded unrepaired."""
 
-WIRES = (ChatWire(),)
+WIRES: tuple[Wire, ...] = (ChatWire(), ResponsesWire())
 
 
 class Pipeline:
@@ -88,7 +90,7 @@ class Pipeline:
         started = time.perf_counter()
         guard = FailOpen(self.metrics.error)
         with self.metrics.inflight():
-            raw = await self.read_body(request)
+            raw = await read_body(request, self.settings.server)
             wire, body = None, None
             with guard("parse"):
                 wire, body = self.parse(request, raw)
@@ -119,16 +121,7 @@ class Pipeline:
 
     # -- the stages ---------------------------------------------------------------------------
 
-    async def read_body(self, request: web.Request) -> bytes:
-        limit = self.settings.server.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise BodyTooLarge(f"request body of {request.content_length} bytes exceeds the {limit}-byte limit")
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise BodyTooLarge(f"request body exceeds the {limit}-byte limit") from exc
-
-    def parse(self, request: web.Request, raw: bytes) -> tuple[ChatWire | None, dict[str, Any] | None]:
+    def parse(self, request: web.Request, raw: bytes) -> tuple[Wire | None, dict[str, Any] | None]:
         """The wire API that understands this request, and its parsed body."""
         for wire in WIRES:
             body = wire.parse(request.method, request.path, raw)
@@ -136,7 +129,7 @@ class Pipeline:
                 return wire, body
         return None, None
 
-    async def plan(self, request: web.Request, wire: ChatWire, body: dict[str, Any], guard: FailOpen) -> TurnPlan:
+    async def plan(self, request: web.Request, wire: Wire, body: dict[str, Any], guard: FailOpen) -> TurnPlan:
         """Plan against the store's view; a shared store is filled (bounded rounds, within budget) and planned again."""
         root = self.tenants.of(request.headers)
         view = self.store.view()

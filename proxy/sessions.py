@@ -14,6 +14,13 @@ Shared by the admin API (:mod:`proxy.admin`) and the command line
   :class:`~proxy.errors.TranscriptFormatError` and nothing of it is stored), then
   inserts its nodes (insert-if-absent, so importing twice changes nothing) and,
   when the leaf holds no totals yet, the session's totals.
+* Import reads regular files only, at most ``store.import_max_bytes`` each
+  (:func:`read_transcript_file`): a symbolic link, device, FIFO or directory is
+  refused without being read (``O_NOFOLLOW``, and the file opened must be the one
+  ``lstat`` saw), and the size is checked before and while reading. A refusal names
+  the file, the line and the problem, never the file's content
+  (:func:`refusal_problem`): whoever runs the import may be able to read files its
+  author cannot.
 
 Tenants on import: a transcript names its tenant root and a fingerprint of the
 server secret that keyed it (:func:`secret_id`). Without a tenant key, the
@@ -28,10 +35,12 @@ the identities are kept and the keys recomputed with
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +69,9 @@ __all__ = [
     "list_json",
     "load_session",
     "new_root",
+    "read_transcript_file",
     "rechain",
+    "refusal_problem",
     "secret_id",
     "session_id",
     "session_json",
@@ -68,6 +79,8 @@ __all__ = [
     "write_new_file",
 ]
 
+DEFAULT_IMPORT_MAX_BYTES = 64 * 1024 * 1024
+"""The default of ``store.import_max_bytes``."""
 ID_HEX = 32
 """Length of a session id (hex of a 16-byte leaf key)."""
 MIN_PREFIX = 4
@@ -309,9 +322,105 @@ def import_transcript(store: TranscriptStore, transcript: Transcript, root: byte
     return ImportOutcome(leaf=leaf, new_nodes=added, new_session=new_session)
 
 
-def import_file(store: TranscriptStore, path: Path, policy: Policy, root: bytes | None = None) -> ImportOutcome:
-    """Parse ``path`` whole, then store it. Raises TranscriptFormatError, ImportRefused or OSError."""
-    transcript = transcript_md.parse(path.read_bytes(), policy)
+_READ_CHUNK = 1 << 20
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _not_regular(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def read_transcript_file(path: Path, max_bytes: int = DEFAULT_IMPORT_MAX_BYTES) -> bytes:
+    """The bytes of ``path`` when it is a regular file of at most ``max_bytes``; else :class:`ImportRefused`.
+
+    Never follows a symbolic link and never reads from a device or FIFO: ``lstat`` first, then
+    ``open(O_NOFOLLOW | O_NONBLOCK)`` and ``fstat`` to check the file opened is the one inspected.
+    The size is checked before reading and again while reading (a file may grow meanwhile).
+    """
+    before = os.lstat(path)
+    kind = _not_regular(before.st_mode)
+    if kind is not None:
+        raise ImportRefused(f"{kind}, not a regular file: only regular files are imported")
+    too_big = f"larger than store.import_max_bytes ({max_bytes} bytes)"
+    if before.st_size > max_bytes:
+        raise ImportRefused(too_big)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise ImportRefused("a symbolic link, not a regular file: only regular files are imported") from None
+        raise
+    try:
+        opened = os.fstat(fd)
+        if (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(opened.st_mode):
+            raise ImportRefused("replaced while being opened: only regular files are imported")
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            chunk = os.read(fd, min(_READ_CHUNK, max_bytes + 1 - total))
+            if not chunk:
+                return b"".join(chunks)
+            total += len(chunk)
+            if total > max_bytes:
+                raise ImportRefused(too_big)
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+
+
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'" + r'|"(?:[^"\\]|\\.)*"')
+_FORMAT_WORDS = frozenset(
+    repr(word)
+    for word in (
+        transcript_md.HEADER_OPEN,
+        transcript_md.COMMENT_CLOSE,
+        transcript_md.ELEMENT_OPEN,
+        transcript_md.END_MARKER,
+        "key: value",
+        "depth", "role", "id", "tokens", "created", "flags",
+        "system", "developer", "user", "assistant", "tool", "tools",
+    )
+)
+"""Quoted words of the transcript format itself: a refusal may show these."""
+WITHHELD = "'…'"
+
+
+def refusal_problem(exc: TranscriptFormatError) -> str:
+    """``line N: <problem>`` without anything quoted from the file.
+
+    The parser's messages quote the offending text (``repr``); each quoted value that is not a
+    word of the format is replaced by ``'…'``. A message whose quoting cannot be told apart is
+    withheld whole.
+    """
+    unquoted = _QUOTED.sub("", exc.problem)
+    if "'" in unquoted or '"' in unquoted:
+        problem = "malformed (the details would quote the file)"
+    else:
+        problem = _QUOTED.sub(lambda m: m.group() if m.group() in _FORMAT_WORDS else WITHHELD, exc.problem)
+    return f"line {exc.line}: {problem}"
+
+
+def import_file(
+    store: TranscriptStore,
+    path: Path,
+    policy: Policy,
+    root: bytes | None = None,
+    *,
+    max_bytes: int = DEFAULT_IMPORT_MAX_BYTES,
+) -> ImportOutcome:
+    """Read ``path`` (:func:`read_transcript_file`), parse it whole, then store it.
+    Raises TranscriptFormatError, ImportRefused or OSError."""
+    transcript = transcript_md.parse(read_transcript_file(path, max_bytes), policy)
     return import_transcript(store, transcript, root)
 
 
@@ -322,14 +431,22 @@ class ImportReport:
     """(file, problem): each a file of which nothing was stored."""
 
 
-def import_dir(store: TranscriptStore, directory: Path, policy: Policy, root: bytes | None = None) -> ImportReport:
-    """Import every ``*.md`` of ``directory`` (sorted by name); a bad file is refused whole, the rest import."""
+def import_dir(
+    store: TranscriptStore,
+    directory: Path,
+    policy: Policy,
+    root: bytes | None = None,
+    *,
+    max_bytes: int = DEFAULT_IMPORT_MAX_BYTES,
+) -> ImportReport:
+    """Import every ``*.md`` of ``directory`` (sorted by name); a bad file is refused whole, the rest import.
+    A refusal never quotes the file (:func:`refusal_problem`)."""
     report = ImportReport()
     for path in sorted(directory.glob("*.md")):
         try:
-            report.imported.append((path, import_file(store, path, policy, root)))
+            report.imported.append((path, import_file(store, path, policy, root, max_bytes=max_bytes)))
         except TranscriptFormatError as exc:
-            report.refused.append((path, f"line {exc.line}: {exc.problem}"))
+            report.refused.append((path, refusal_problem(exc)))
         except ImportRefused as exc:
             report.refused.append((path, str(exc)))
         except OSError as exc:

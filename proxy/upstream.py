@@ -60,8 +60,12 @@ def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
 
 
 def forward_request_headers(incoming: Mapping[str, str], api_key: str = "") -> CIMultiDict[str]:
-    """The client's headers minus hop-by-hop ones; ``Authorization`` replaced when ``api_key`` is set."""
+    """The client's headers minus hop-by-hop ones. With ``api_key`` set, no client credential
+    travels upstream (``Authorization``, ``Proxy-Authorization``, ``Cookie``, ``X-Api-Key``,
+    ``api-key``, ``x-goog-api-key`` are removed) and ``Authorization`` carries ``api_key``."""
     drop = _REQUEST_DROP | _connection_tokens(incoming)
+    if api_key:
+        drop |= {"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key", "x-goog-api-key"}
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in incoming.items():
         if name.lower() not in drop:

@@ -1,9 +1,20 @@
 """The reference upstream: a small OpenAI-compatible provider emulator for tests, benchmarks and demos.
 
+- :mod:`.state` — configuration (:class:`SimConfig`) and what the emulator remembers;
 - :mod:`.render` — the chat template (messages and tools -> prompt text -> tokens);
-- :mod:`.cache` — the prefix cache (chained block hashes, LRU, TTL);
-- :mod:`.replies` — deterministic replies, tool calls and their stream deltas;
-- :mod:`.server` — the aiohttp app: routes, usage, time to first token, faults.
+- :mod:`.items` — the Responses API's input items, instructions and tools -> the chat template;
+- :mod:`.prompt` — a rendered prompt (tokens, block hashes, seed) and request parsing;
+- :mod:`.cache` — the prefix cache (chained block hashes, LRU bounded by capacity, TTL);
+- :mod:`.engine` — prefill against the cache, time to first token, KV of generated tokens;
+- :mod:`.replies` — chat replies: deterministic messages, tool calls and their stream deltas;
+- :mod:`.script` — the Responses script: one tool call, then a final message;
+- :mod:`.outputs` / :mod:`.events` — Responses output items, response object, stream events;
+- :mod:`.sealed` — the opaque ``encrypted_content`` of reasoning items;
+- :mod:`.response_store` — stored Responses (``store``, ``previous_response_id``);
+- :mod:`.accounting` — token counts and the usage / ``openhuman`` blocks;
+- :mod:`.steering` / :mod:`.faults` — the ``x-sim-*`` headers and injected faults;
+- :mod:`.wire` — errors, JSON bodies and the SSE writer shared by the endpoints;
+- :mod:`.server` — the aiohttp app and the chat endpoint; :mod:`.responses` — the Responses endpoint.
 
 Start one with ``web.run_app(create_sim_app(SimConfig(...)), host=..., port=...)``,
 ``asyncio.run(serve_sim(host, port, config))``, or in-process with

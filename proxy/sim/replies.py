@@ -107,7 +107,7 @@ def make_reply(
 ) -> Reply:
     """The reply to a parsed chat request; ``seed`` makes it deterministic (hash of the prompt)."""
     rng = random.Random(hashlib.sha256(seed).digest())
-    reasoning_content = _reasoning_text(rng) if reasoning else None
+    reasoning_content = reasoning_text(rng) if reasoning else None
     tools = _callable_tools(request)
     if tools:
         calls = tuple(
@@ -121,7 +121,7 @@ def make_reply(
             for index, (name, parameters) in enumerate(tools)
         )
         return Reply(None, reasoning_content, calls, "tool_calls")
-    return Reply(_reply_text(rng, reply_tokens), reasoning_content, (), "stop")
+    return Reply(reply_text(rng, reply_tokens), reasoning_content, (), "stop")
 
 
 def sample_arguments(schema: Any) -> dict[str, Any]:
@@ -223,7 +223,8 @@ def _callable_tools(request: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return tools[:width]
 
 
-def _reply_text(rng: random.Random, reply_tokens: int) -> str:
+def reply_text(rng: random.Random, reply_tokens: int) -> str:
+    """A text reply of whole sentences, about ``reply_tokens`` tokens, ending with a newline."""
     sentences: list[str] = []
     tokens = 0
     while tokens < max(reply_tokens - 1, 1):  # the final newline is a token of its own
@@ -233,7 +234,8 @@ def _reply_text(rng: random.Random, reply_tokens: int) -> str:
     return " ".join(sentences) + "\n"
 
 
-def _reasoning_text(rng: random.Random) -> str:
+def reasoning_text(rng: random.Random) -> str:
+    """One or two sentences of reasoning."""
     first = rng.choice(_REASONING)
     return f"{first} {_REASONING[-1]}" if first != _REASONING[-1] else first
 

@@ -23,6 +23,19 @@ their content) and counted in ``StoreStats.corrupt``; nodes below a skipped node
 unreachable and are dropped like them. Skipped rows are deleted, so a later request
 can store the same key again.
 
+A damaged file -- sqlite reports it corrupt or not a database while it is opened
+and read, or a kvwarm table has other columns than the schema's -- is moved aside
+(``<name>.damaged-<UTC time>``, with its ``-wal``, ``-shm`` and ``-journal`` files
+under the same new name, so sqlite can still open the copy for forensics), logged at
+ERROR, counted as one entry in ``StoreStats.corrupt`` and listed in
+:attr:`SqliteStore.set_aside`; the store then starts empty in a new file. A cache
+never keeps kvwarm from starting. Not moved aside, but refused with
+:class:`StoreError`: a file of another schema version (a newer kvwarm's store), a
+sqlite database of another application (tables, but no kvwarm ``meta``), and
+errors that are not damage (permissions, a lock held by another process). Read-only
+users (``kvwarm sessions``, ``show``, ``export``) pass ``set_aside_damaged=False``:
+they may run beside a server and must never move its file.
+
 The memory index is the arbiter of insert-if-absent (the first node wins there), so
 the database mirrors it with ``INSERT OR REPLACE``. One process owns a database file.
 """
@@ -89,6 +102,11 @@ CREATE TABLE IF NOT EXISTS sessions (
     checksum BLOB NOT NULL
 ) WITHOUT ROWID;
 """
+
+_DAMAGE_CODES = frozenset({sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB})
+"""Primary sqlite result codes that mean the file itself is damaged (not locked, not unreadable)."""
+_SIDE_FILES = ("-wal", "-shm", "-journal")
+_STAMP = "%Y%m%dT%H%M%SZ"
 
 _NODE_COLUMNS = "key, parent, tenant, depth, role, identity, body_hash, tokens, flags, created, used, checksum"
 _TOTALS_TYPES: dict[str, type] = {f.name: type(f.default) for f in fields(SessionTotals)}
@@ -250,6 +268,60 @@ class _Batch:
             self.put_session(leaf, totals)
 
 
+class _Damaged(Exception):
+    """The database file is damaged (raised while opening; the file is then moved aside).
+
+    Carries the connection still open: sqlite deletes a database's ``-wal`` when its last
+    connection closes, so the files are renamed first and the connection closed after.
+    """
+
+    def __init__(self, problem: str, conn: sqlite3.Connection | None = None) -> None:
+        super().__init__(problem)
+        self.conn = conn
+
+    def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
+
+
+def _is_damage(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(code, int) and (code & 0xFF) in _DAMAGE_CODES
+
+
+@functools.cache
+def _schema_columns() -> dict[str, tuple[str, ...]]:
+    """Each table's column names as :data:`_SCHEMA` creates them."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.executescript(_SCHEMA)
+        tables = [name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {t: tuple(row[1] for row in conn.execute(f"PRAGMA table_info({t})")) for t in tables}
+    finally:
+        conn.close()
+
+
+def set_aside(path: Path, now: float) -> Path:
+    """Rename ``path`` (and its ``-wal`` / ``-shm`` / ``-journal``) to ``<name>.damaged-<UTC time>``.
+
+    The side files move first: a new database at ``path`` must never meet the old one's WAL.
+    """
+    stamp = time.strftime(_STAMP, time.gmtime(now))
+    target = path.with_name(f"{path.name}.damaged-{stamp}")
+    n = 1
+    while any(Path(f"{target}{suffix}").exists() for suffix in ("", *_SIDE_FILES)):
+        n += 1
+        target = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
+    for suffix in (*_SIDE_FILES, ""):
+        source = Path(f"{path}{suffix}")
+        try:
+            os.rename(source, f"{target}{suffix}")
+        except FileNotFoundError:
+            continue
+    return target
+
+
 @dataclass(slots=True)
 class _Loaded:
     """What :meth:`SqliteStore._read_all` found, before it enters the index."""
@@ -276,8 +348,14 @@ class SqliteStore(MemoryStore):
         secret: bytes | None = None,
         flush_interval: float = 0.5,
         clock: Callable[[], float] = time.time,
+        *,
+        set_aside_damaged: bool = True,
     ) -> None:
         super().__init__(ttl_seconds, max_bytes, secret, clock)
+        self.set_aside_damaged = set_aside_damaged
+        """Move a damaged file aside and start empty (True), or refuse to open it (False)."""
+        self.set_aside: list[Path] = []
+        """Where damaged files were moved since this store was created."""
         self._path = Path(path)
         self._secret_given = bool(secret)
         self._flush_interval = flush_interval
@@ -446,9 +524,43 @@ class SqliteStore(MemoryStore):
     # -- opening and loading (in a worker thread; nothing else uses the store yet) ---------
 
     def _open_sync(self) -> None:
+        if not self._secret_given:
+            self._secret = read_secret(self._path.with_name(self._path.name + ".secret"))
         try:
-            if not self._secret_given:
-                self._secret = read_secret(self._path.with_name(self._path.name + ".secret"))
+            self._conn = self._load()
+            return
+        except _Damaged as exc:
+            if not self.set_aside_damaged:
+                exc.close()
+                raise StoreError(f"cannot load {self._path}: {exc}") from exc
+            damage = exc
+        try:
+            moved = set_aside(self._path, time.time())
+        except OSError as exc:
+            raise StoreError(f"{self._path} is damaged ({damage}) and cannot be moved aside: {exc.strerror}") from exc
+        finally:
+            damage.close()
+        logger.error(
+            "store %s is damaged (%s): moved it aside to %s; starting with an empty store",
+            self._path, damage, moved,
+        )
+        self.set_aside.append(moved)
+        # Loading may have filled part of the index before the damage showed: start it afresh.
+        corrupt = self._corrupt + 1
+        MemoryStore.__init__(self, self._ttl, self._max_bytes, self._secret, self._clock)
+        self._corrupt = corrupt
+        try:
+            self._conn = self._load()
+        except _Damaged as exc:
+            raise StoreError(f"cannot create a new store at {self._path}: {exc}") from exc
+
+    def _load(self) -> sqlite3.Connection:
+        """Connect, check the schema, load every row into the index; the open connection.
+
+        Raises :class:`_Damaged` (holding the connection, still open) when the file is damaged,
+        :class:`StoreError` for anything else.
+        """
+        try:
             conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
         except (sqlite3.Error, OSError) as exc:
             raise StoreError(f"cannot open {self._path}: {exc}") from exc
@@ -456,6 +568,7 @@ class SqliteStore(MemoryStore):
         # decoding, not the whole query.
         conn.text_factory = bytes
         try:
+            self._check_tables(conn)  # before anything writes (journal_mode does)
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
             # Keys are hashes, so inserts land all over the B-trees: with the default 2 MB
@@ -468,13 +581,44 @@ class SqliteStore(MemoryStore):
                 raise StoreError(f"{self._path} has schema version {version!r}, expected {SCHEMA_VERSION}")
             loaded = self._read_all(conn)
             self._index(conn, loaded)
+        except _Damaged as exc:
+            exc.conn = conn
+            raise
         except sqlite3.Error as exc:
+            if _is_damage(exc):
+                raise _Damaged(str(exc), conn) from exc
             conn.close()
             raise StoreError(f"cannot load {self._path}: {exc}") from exc
         except BaseException:
             conn.close()
             raise
-        self._conn = conn
+        return conn
+
+    def _check_tables(self, conn: sqlite3.Connection) -> None:
+        """Refuse another application's database; call a kvwarm store with other columns damaged."""
+        present = {
+            name.decode() if isinstance(name, bytes) else str(name)
+            for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }
+        if not present:
+            return
+        expected = _schema_columns()
+        if "meta" not in present or self._columns(conn, "meta") != expected["meta"]:
+            raise StoreError(
+                f"{self._path} is a sqlite database of something else (no kvwarm meta table): "
+                "refusing to change it; point store.backend at another file"
+            )
+        for table in present & expected.keys():
+            columns = self._columns(conn, table)
+            if columns != expected[table]:
+                raise _Damaged(f"table {table} has columns {', '.join(columns)}, not the schema's")
+
+    @staticmethod
+    def _columns(conn: sqlite3.Connection, table: str) -> tuple[str, ...]:
+        return tuple(
+            row[1].decode() if isinstance(row[1], bytes) else str(row[1])
+            for row in conn.execute(f"PRAGMA table_info({table})")
+        )
 
     def _read_all(self, conn: sqlite3.Connection) -> _Loaded:
         out = _Loaded()

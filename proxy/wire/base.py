@@ -16,14 +16,21 @@ turn before this one is in the store.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
+from ..core.guard import Guard
+from ..core.identity import IdentityMemo
+from ..core.model import NodeReader
+from ..core.plan import TurnPlan
+from ..core.policy import Policy
 from ..core.record import Reply
 from ..core.sse import SSEEvent
 from ..core.usage import Usage
+from ..traits import UpstreamTraits
 
-__all__ = ["HIDE", "KEEP", "Hide", "Keep", "Observer", "Replace", "Verdict"]
+__all__ = ["HIDE", "KEEP", "Hide", "Keep", "Observer", "Outgoing", "Replace", "Verdict", "Wire"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +81,38 @@ class Observer(Protocol):
         """The response is over: the reply to record (``partial`` when the stream was cut)."""
         ...
 
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """What goes upstream."""
+
+    body: bytes
+    """The bytes sent: the client's, unless repaired or ``include_usage`` was added."""
+    usage_injected: bool
+    """kvwarm added ``stream_options.include_usage``; the observer hides what it caused."""
+
+
+class Wire(Protocol):
+    """One wire API: recognises its requests, plans them, and observes their responses."""
+
+    name: str
+    """``chat``, ``responses``: the log line's first word."""
+
+    def parse(self, method: str, path: str, raw: bytes) -> dict[str, Any] | None:
+        """The parsed body when this is a request of this API kvwarm understands; else None."""
+        ...
+
+    def plan(
+        self,
+        body: Mapping[str, Any],
+        root: bytes,
+        reader: NodeReader,
+        policy: Policy,
+        memo: IdentityMemo | None,
+        guard: Guard,
+    ) -> TurnPlan: ...
+
+    def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing: ...
+
+    def observer(self, outgoing: Outgoing, traits: UpstreamTraits, guard: Guard, *, success: bool) -> Observer: ...

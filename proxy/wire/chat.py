@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -31,7 +30,7 @@ from ..core.record import Reply, ReplyAssembler, reply_from_body
 from ..core.sse import SSEEvent
 from ..core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
 from ..traits import UpstreamTraits
-from .base import HIDE, KEEP, Replace, Verdict
+from .base import HIDE, KEEP, Outgoing, Replace, Verdict
 
 __all__ = ["DONE", "ChatObserver", "ChatWire", "Outgoing", "without_null_usage"]
 
@@ -39,16 +38,6 @@ DONE = "[DONE]"
 PATH_SUFFIX = "/chat/completions"
 BODY_LIMIT = 32 * 1024 * 1024
 """Bytes of a non-streamed response kept for reading its usage and reply; beyond, both are unknown."""
-
-
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    """What goes upstream."""
-
-    body: bytes
-    """The bytes sent: the client's, unless repaired or ``include_usage`` was added."""
-    usage_injected: bool
-    """kvwarm added ``stream_options.include_usage``; the observer hides what it caused."""
 
 
 class ChatWire:

@@ -1,0 +1,112 @@
+"""kvwarm's own counters, read back from the app's Prometheus registry: :class:`Totals`.
+
+The page and ``/metrics`` read the very same counters, so every "since start" number on
+the page is what ``/metrics`` says at that moment. Sums are over all label values
+(every model, stream and status class); the per-reason break counts are kept apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from prometheus_client import CollectorRegistry
+
+__all__ = ["ZERO", "Reading", "Totals", "read_counters"]
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Cumulative counter values of one process (since it started), or a difference of two."""
+
+    requests: float = 0.0
+    """``kvwarm_requests_total``, every status class."""
+    requests_failed: float = 0.0
+    """Requests whose status class is not 2xx (``error``: no response came back)."""
+    prompt_tokens: float = 0.0
+    cached_tokens: float = 0.0
+    """``kvwarm_cached_prompt_tokens_total``."""
+    cache_known_tokens: float = 0.0
+    """``kvwarm_cache_known_prompt_tokens_total``: the hit ratio's denominator."""
+    completion_tokens: float = 0.0
+    rescued_tokens: float = 0.0
+    """``kvwarm_repair_rescued_tokens_total``."""
+    repairs: float = 0.0
+    breaks: float = 0.0
+    """``kvwarm_prefix_breaks_total``, every reason."""
+    cost_billed_usd: float = 0.0
+    """``kvwarm_cost_usd_total{source="billed"}``."""
+    cost_estimated_usd: float = 0.0
+    """``kvwarm_cost_usd_total{source="estimated"}``."""
+    unpriced_requests: float = 0.0
+
+    def minus(self, earlier: Totals) -> Totals:
+        """What happened between ``earlier`` and this reading (never negative)."""
+        return Totals(
+            *(max(0.0, getattr(self, f.name) - getattr(earlier, f.name)) for f in fields(Totals))
+        )
+
+    @property
+    def hit_pct(self) -> float | None:
+        """Cached share of the prompt tokens whose cached count is known, in percent."""
+        if self.cache_known_tokens <= 0:
+            return None
+        return 100.0 * self.cached_tokens / self.cache_known_tokens
+
+    @property
+    def cost_usd(self) -> float:
+        return self.cost_billed_usd + self.cost_estimated_usd
+
+
+ZERO = Totals()
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One read of the registry."""
+
+    totals: Totals
+    breaks_by_reason: Mapping[str, float]
+    """``kvwarm_prefix_breaks_total`` by ``reason`` (reasons with a count only)."""
+
+
+_SUMMED: Mapping[str, str] = {
+    "kvwarm_requests_total": "requests",
+    "kvwarm_prompt_tokens_total": "prompt_tokens",
+    "kvwarm_cached_prompt_tokens_total": "cached_tokens",
+    "kvwarm_cache_known_prompt_tokens_total": "cache_known_tokens",
+    "kvwarm_completion_tokens_total": "completion_tokens",
+    "kvwarm_repair_rescued_tokens_total": "rescued_tokens",
+    "kvwarm_repairs_total": "repairs",
+    "kvwarm_prefix_breaks_total": "breaks",
+    "kvwarm_unpriced_requests_total": "unpriced_requests",
+}
+_COST = "kvwarm_cost_usd_total"
+_BREAKS = "kvwarm_prefix_breaks_total"
+_REQUESTS = "kvwarm_requests_total"
+
+
+def read_counters(registry: CollectorRegistry) -> Reading:
+    """Sum kvwarm's counters over their labels (one pass over the registry)."""
+    values = dict.fromkeys((f.name for f in fields(Totals)), 0.0)
+    reasons: dict[str, float] = {}
+    for family in registry.collect():
+        if not family.name.startswith("kvwarm_"):
+            continue
+        for sample in family.samples:
+            name = sample.name
+            if name == _COST:
+                source = sample.labels.get("source")
+                key = "cost_billed_usd" if source == "billed" else "cost_estimated_usd"
+                values[key] += sample.value
+                continue
+            field_name = _SUMMED.get(name)
+            if field_name is None:
+                continue
+            values[field_name] += sample.value
+            if name == _REQUESTS and sample.labels.get("status") != "2xx":
+                values["requests_failed"] += sample.value
+            elif name == _BREAKS and sample.value > 0:
+                reason = sample.labels.get("reason", "")
+                reasons[reason] = reasons.get(reason, 0.0) + sample.value
+    return Reading(totals=Totals(**values), breaks_by_reason=reasons)
