@@ -18,7 +18,7 @@ Requests
       Requests being served now.
   ``kvwarm_errors_total{stage}``
       Failures by pipeline stage: parse, identify, match, repair, diagnose,
-      record, usage, upstream, relay, store (fail-open errors included).
+      record, usage, upstream, relay, store, report (fail-open errors included).
 
 Usage (from each response's usage block)
   ``kvwarm_prompt_tokens_total{model}``
@@ -97,6 +97,7 @@ ERROR_STAGES = (
     "upstream",
     "relay",
     "store",
+    "report",
 )
 """The stages counted by ``kvwarm_errors_total``; any other name is counted as ``"other"``."""
 
