@@ -42,7 +42,7 @@ import os
 import re
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -270,21 +270,7 @@ def rechain(nodes: Sequence[Node], root: bytes) -> list[Node]:
     parent = root
     for node in nodes:
         key = chain(parent, node.identity)
-        out.append(
-            Node(
-                key=key,
-                parent=parent,
-                tenant=root,
-                depth=node.depth,
-                role=node.role,
-                identity=node.identity,
-                body=node.body,
-                tokens=node.tokens,
-                generated=node.generated,
-                partial=node.partial,
-                created=node.created,
-            )
-        )
+        out.append(replace(node, key=key, parent=parent, tenant=root))
         parent = key
     return out
 
