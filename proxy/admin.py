@@ -121,7 +121,7 @@ async def list_sessions(request: web.Request) -> web.Response:
     raw = request.query.get("limit", str(DEFAULT_LIMIT))
     if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIMIT:
         raise AdminBadRequest(f"limit must be a whole number from 1 to {MAX_LIMIT}")
-    infos = request.app[STORE].sessions(access.tenant)
+    infos = await request.app[STORE].sessions(access.tenant)
     return web.Response(body=sessions.list_json(infos, int(raw)), content_type="application/json")
 
 
@@ -134,8 +134,8 @@ async def show_session(request: web.Request) -> web.Response:
     if fmt not in ("json", "md"):
         raise AdminBadRequest("format must be json or md")
     store = request.app[STORE]
-    leaf = sessions.find_session(store, name, access.tenant)
-    transcript = sessions.load_session(store, leaf, access.tenant) if leaf is not None else None
+    leaf = await sessions.find_session(store, name, access.tenant)
+    transcript = await sessions.load_session(store, leaf, access.tenant) if leaf is not None else None
     if transcript is None:
         raise SessionNotFound(f"no session {name!r}")
     if fmt == "md":

@@ -29,9 +29,10 @@ from .errors import MetricsUnauthorized, ProxyError, error_body
 from .guard import guard_middleware, send_and_close, shown_path
 from .metrics import ProxyMetrics
 from .pipeline import Pipeline
-from .store.base import TranscriptStore
+from .store.base import AsyncStore, TranscriptStore
 from .store.factory import make_store
 from .store.local import LocalStore
+from .store.urls import redacted
 from .tokens import TokenCounter
 from .upstream import Upstream
 from .web.activity import Activity
@@ -67,10 +68,11 @@ def create_app(
     settings: Settings,
     *,
     registry: CollectorRegistry | None = None,
-    store: TranscriptStore | None = None,
+    store: TranscriptStore | AsyncStore | None = None,
     prices: PriceTable | None = None,
 ) -> web.Application:
-    """Build the proxy app. Tests inject a fresh registry and, when they want, a store."""
+    """Build the proxy app. Tests inject a fresh registry and, when they want, a store
+    (a local one is wrapped in :class:`LocalStore`)."""
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
         # errors_middleware first: it turns the guard's refusals into OpenAI-shaped bodies too.
@@ -80,13 +82,10 @@ def create_app(
     app[SETTINGS] = settings
     app[REGISTRY] = registry
     app[METRICS] = ProxyMetrics(registry, max_models=settings.metrics.max_models)
-    app[STORE] = store if store is not None else make_store(
-        settings.store.backend,
-        ttl_seconds=settings.store.ttl_seconds,
-        max_bytes=settings.store.max_bytes,
-        secret=settings.store.secret,
-        flush_interval=settings.store.flush_interval,
-    )
+    if store is None:
+        app[STORE] = make_store(settings.store)
+    else:
+        app[STORE] = store if isinstance(store, AsyncStore) else LocalStore(store)
     if prices is None:
         prices = PriceTable.load(settings.metrics.prices_file) if settings.metrics.prices_file else PriceTable.default()
     app[PRICES] = prices
@@ -118,13 +117,16 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await session.close()
         raise
     app[PIPELINE] = Pipeline(
-        settings, Upstream(session, settings.upstream), LocalStore(store), app[METRICS], app[PRICES], tokens,
+        settings, Upstream(session, settings.upstream), store, app[METRICS], app[PRICES], tokens,
         breaks=app[ACTIVITY],
     )
     maintenance = asyncio.create_task(_maintain(app), name="kvwarm-maintenance")
     app[METRICS].track_store(store.stats)
     app[READY].set()
-    log.info("kvwarm %s ready: upstream %s, store %s", __version__, settings.upstream.base_url, settings.store.backend)
+    log.info(
+        "kvwarm %s ready: upstream %s, store %s",
+        __version__, ", ".join(settings.upstream.base_url), redacted(settings.store.backend),
+    )
     try:
         yield
     finally:
@@ -160,8 +162,11 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     if not request.app[READY].is_set():
         return web.json_response({"status": "starting"}, status=503)
-    stats = request.app[STORE].stats()
-    return web.json_response({"status": "ready", "store_nodes": stats.nodes})
+    store = request.app[STORE]
+    health = store.health()
+    # A degraded store (a shared one out of reach) still serves: requests go upstream unrepaired.
+    status = "ready" if health == "ok" else "degraded"
+    return web.json_response({"status": status, "store": health, "store_nodes": store.stats().nodes})
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from .config import Settings
 from .core.pricing import PriceTable
 from .metrics import ProxyMetrics
-from .store.base import TranscriptStore
+from .store.base import AsyncStore
 from .web.activity import Activity
 from .web.history import History
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the pipeline imports the edge modules that import these key
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 METRICS = web.AppKey("metrics", ProxyMetrics)
-STORE = web.AppKey("store", TranscriptStore)
+STORE = web.AppKey("store", AsyncStore)
 PRICES = web.AppKey("prices", PriceTable)
 PIPELINE: web.AppKey[Pipeline] = web.AppKey("pipeline")
 READY = web.AppKey("ready", asyncio.Event)

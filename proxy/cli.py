@@ -47,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     _store_flags(serve)
     serve.add_argument("--host", metavar="H", help="listen address (overrides server.host)")
     serve.add_argument("--port", metavar="P", type=int, help="listen port (overrides server.port)")
-    serve.add_argument("--upstream", metavar="URL", help="upstream base URL, e.g. https://api.openai.com/v1 (overrides upstream.base_url)")
+    serve.add_argument(
+        "--upstream",
+        metavar="URL",
+        action="append",
+        help="upstream base URL, e.g. https://api.openai.com/v1; repeat it for a pool of replicas (overrides upstream.base_url)",
+    )
     serve.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ... (overrides log.level)")
     serve.set_defaults(func=cmd_serve)
 
@@ -154,7 +159,9 @@ async def _serve(app: web.Application, settings: Settings) -> None:
 
     runner, site = await start_server(app, settings, handle_signals=True)
     try:
-        log.info("kvwarm listening on http://%s:%d/v1 -> %s", settings.server.host, site.port, settings.upstream.base_url)
+        log.info(
+            "kvwarm listening on http://%s:%d/v1 -> %s", settings.server.host, site.port, ", ".join(settings.upstream.base_url)
+        )
         await asyncio.Event().wait()  # until cancelled
     finally:
         await runner.cleanup()

@@ -18,6 +18,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import ConfigError
+from .store.urls import is_redis_url
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "kvwarm.toml"
 
@@ -45,7 +46,9 @@ class ServerSettings:
 
 @dataclass(frozen=True, slots=True)
 class UpstreamSettings:
-    base_url: str = "https://api.openai.com/v1"
+    base_url: tuple[str, ...] = ("https://api.openai.com/v1",)
+    """One base URL, or several: a pool of replicas of one model server, balanced by
+    ``routing.policy``. TOML: a string or an array; environment: comma-separated."""
     api_key: str = ""
     """When set, replaces the client's ``Authorization`` towards the upstream."""
     connect_timeout: float = 10.0
@@ -60,7 +63,9 @@ class UpstreamSettings:
 @dataclass(frozen=True, slots=True)
 class StoreSettings:
     backend: str = "sqlite:var/kvwarm.db"
-    """``memory`` or ``sqlite:PATH`` (relative paths are relative to the working directory)."""
+    """``memory``, ``sqlite:PATH`` (relative to the working directory), or a shared Redis:
+    ``redis://[:password@]host:port/db``, ``rediss://...``, ``unix:///path.sock?db=N``,
+    ``redis+cluster://host:port[,host:port...]`` (see proxy/store/redis.py)."""
     ttl_seconds: float = 24 * 3600.0
     """A node unused for this long is evicted."""
     max_bytes: int = 512 * 1024 * 1024
@@ -73,6 +78,13 @@ class StoreSettings:
     """Seconds between batched writes of the sqlite store."""
     import_max_bytes: int = 64 * 1024 * 1024
     """``kvwarm import`` refuses a transcript file larger than this (checked before and while reading)."""
+    timeout: float = 0.25
+    """Seconds a request may wait for a shared store, in all (reads while planning, the turn's
+    write); beyond, it is forwarded unrepaired and ``kvwarm_errors_total{stage="store"}`` counts it."""
+    cache_bytes: int = 64 * 1024 * 1024
+    """A shared store's per-process cache of (immutable) nodes."""
+    redis_prefix: str = "kvwarm"
+    """Prefix of every Redis key (several kvwarm deployments may share one Redis)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +94,36 @@ class RepairSettings:
     collapse_duplicates: bool = False
     pin_patterns: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Role -> regexes of volatile spans to pin to their first-seen value (opt-in)."""
+
+
+ROUTING_POLICIES = ("prefix", "round_robin", "least_inflight")
+PROMPT_CACHE_KEY_MODES = ("", "session")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    """How a pool of upstream replicas (several ``upstream.base_url``) shares the requests."""
+
+    policy: str = "prefix"
+    """``prefix`` (each session to the replica that holds its KV, bounded load),
+    ``round_robin`` or ``least_inflight``. Ignored with one upstream."""
+    max_load_factor: float = 1.25
+    """A replica whose in-flight requests reach this times the healthy replicas' mean (counting
+    the request being placed) takes no more sessions until it drains; at least 1."""
+    eject_errors: int = 3
+    """5xx responses or failures in ``eject_window`` seconds that eject a replica (a refused
+    connection ejects it at once)."""
+    eject_window: float = 10.0
+    eject_seconds: float = 30.0
+    """How long an ejected replica gets no requests; then one request probes it."""
+    affinity_entries: int = 65536
+    """Prefix -> replica entries remembered (least recently used forgotten first)."""
+    prompt_cache_key: str = ""
+    """``session``: give each session a stable ``prompt_cache_key`` when the client sent none
+    (OpenAI-style providers route by it). Empty: never."""
+    prompt_cache_key_rpm: int = 15
+    """Requests per minute one ``prompt_cache_key`` carries before further ones get a shard
+    (``<key>-1``, ...)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +154,7 @@ class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
     repair: RepairSettings = field(default_factory=RepairSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
@@ -229,6 +272,8 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         if not isinstance(value, str):
             raise ConfigError(key, f"expected a string, got {value!r}")
         return value
+    if isinstance(default, tuple):
+        return _url_list(key, value)
     if isinstance(default, Mapping):
         if isinstance(value, str):
             import json
@@ -257,6 +302,18 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
     return value
 
 
+def _url_list(key: str, value: Any) -> tuple[str, ...]:
+    """A string (comma-separated in the environment) or a list of strings -> a tuple of URLs."""
+    if isinstance(value, str):
+        items = [part.strip() for part in value.split(",")]
+        items = [part for part in items if part] or [value]
+    elif isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        items = [v.strip() for v in value]
+    else:
+        raise ConfigError(key, f"expected a URL or a list of URLs, got {value!r}")
+    return tuple(items)
+
+
 def _validate(s: Settings) -> None:
     if not 0 <= s.server.port <= 65535:
         raise ConfigError("server.port", f"must be 0-65535, got {s.server.port}")
@@ -267,17 +324,31 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"server.{name}", "must be a positive number of seconds")
     if s.server.max_connections <= 0:
         raise ConfigError("server.max_connections", "must be positive")
-    url = urlsplit(s.upstream.base_url)
-    if url.scheme not in {"http", "https"} or not url.netloc:
-        raise ConfigError("upstream.base_url", f"must be an http(s) URL, got {s.upstream.base_url!r}")
+    urls = s.upstream.base_url
+    if not urls:
+        raise ConfigError("upstream.base_url", "needs at least one URL")
+    for base in urls:
+        url = urlsplit(base)
+        if url.scheme not in {"http", "https"} or not url.netloc:
+            raise ConfigError("upstream.base_url", f"must be an http(s) URL, got {base!r}")
+    seen = {u.rstrip("/") for u in urls}
+    if len(seen) != len(urls):
+        raise ConfigError("upstream.base_url", "lists the same URL twice")
+    _validate_routing(s.routing)
     for name in ("connect_timeout", "first_byte_timeout", "idle_timeout", "total_timeout"):
         if getattr(s.upstream, name) <= 0:
             raise ConfigError(f"upstream.{name}", "must be a positive number of seconds")
     if s.upstream.max_connections <= 0:
         raise ConfigError("upstream.max_connections", "must be positive")
     backend = s.store.backend
-    if backend != "memory" and not (backend.startswith("sqlite:") and len(backend) > len("sqlite:")):
-        raise ConfigError("store.backend", f"expected 'memory' or 'sqlite:PATH', got {backend!r}")
+    if backend != "memory" and not (backend.startswith("sqlite:") and len(backend) > len("sqlite:")) and not is_redis_url(backend):
+        raise ConfigError("store.backend", f"expected 'memory', 'sqlite:PATH' or a redis:// URL, got {backend!r}")
+    if s.store.timeout <= 0:
+        raise ConfigError("store.timeout", "must be a positive number of seconds")
+    if s.store.cache_bytes <= 0:
+        raise ConfigError("store.cache_bytes", "must be positive")
+    if not s.store.redis_prefix or "{" in s.store.redis_prefix or "}" in s.store.redis_prefix:
+        raise ConfigError("store.redis_prefix", "must be non-empty and hold no '{' or '}'")
     if s.store.ttl_seconds <= 0:
         raise ConfigError("store.ttl_seconds", "must be positive")
     if s.store.max_bytes <= 0:
@@ -292,3 +363,21 @@ def _validate(s: Settings) -> None:
         raise ConfigError("metrics.max_models", "must be at least 1")
     if s.log.level.upper() not in _LEVELS:
         raise ConfigError("log.level", f"expected one of {', '.join(sorted(_LEVELS))}")
+
+
+def _validate_routing(r: RoutingSettings) -> None:
+    if r.policy not in ROUTING_POLICIES:
+        raise ConfigError("routing.policy", f"expected one of {', '.join(ROUTING_POLICIES)}, got {r.policy!r}")
+    if not r.max_load_factor >= 1.0:
+        raise ConfigError("routing.max_load_factor", f"must be at least 1.0, got {r.max_load_factor}")
+    if r.eject_errors < 1:
+        raise ConfigError("routing.eject_errors", "must be at least 1")
+    for name in ("eject_window", "eject_seconds"):
+        if not getattr(r, name) > 0:
+            raise ConfigError(f"routing.{name}", "must be a positive number of seconds")
+    if r.affinity_entries < 1:
+        raise ConfigError("routing.affinity_entries", "must be at least 1")
+    if r.prompt_cache_key not in PROMPT_CACHE_KEY_MODES:
+        raise ConfigError("routing.prompt_cache_key", f"expected \"session\" or \"\" (off), got {r.prompt_cache_key!r}")
+    if r.prompt_cache_key_rpm < 1:
+        raise ConfigError("routing.prompt_cache_key_rpm", "must be at least 1")

@@ -27,21 +27,37 @@ __all__ = ["STRICT", "FailOpen", "Guard"]
 
 
 class FailOpen:
-    """One request's boundary. ``failed`` lists the stages that failed, in order."""
+    """One request's boundary. ``failed`` lists the stages that failed, in order.
 
-    __slots__ = ("_count", "_stage", "failed")
+    ``guard(stage)`` returns a fresh context per stage, so guards nest: the planner's
+    ``match`` inside the request path's ``store`` is counted as what failed.
+    """
+
+    __slots__ = ("_count", "failed")
 
     def __init__(self, count: Callable[[str], None] | None = None) -> None:
         self._count = count
         """Counts one error of a stage (``ProxyMetrics.error``)."""
-        self._stage = ""
         self.failed: list[str] = []
 
-    def __call__(self, stage: str) -> FailOpen:
-        self._stage = stage
-        return self
+    def __call__(self, stage: str) -> _Stage:
+        return _Stage(self, stage)
 
-    def __enter__(self) -> FailOpen:
+    def fail(self, stage: str, exc: BaseException) -> None:
+        log.error("%s failed; going on without it (fail open)", stage, exc_info=exc)
+        if self._count is not None:
+            self._count(stage)
+        self.failed.append(stage)
+
+
+class _Stage:
+    __slots__ = ("_boundary", "_stage")
+
+    def __init__(self, boundary: FailOpen, stage: str) -> None:
+        self._boundary = boundary
+        self._stage = stage
+
+    def __enter__(self) -> _Stage:
         return self
 
     def __exit__(
@@ -49,9 +65,5 @@ class FailOpen:
     ) -> bool:
         if exc is None or not isinstance(exc, Exception):
             return False  # success, or cancellation / exit: never swallowed
-        stage = self._stage
-        log.error("%s failed; going on without it (fail open)", stage, exc_info=exc)
-        if self._count is not None:
-            self._count(stage)
-        self.failed.append(stage)
+        self._boundary.fail(self._stage, exc)
         return True

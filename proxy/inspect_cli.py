@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -26,16 +26,15 @@ from . import sessions
 from .config import Settings
 from .core import transcript_md
 from .core.policy import Policy
-from .store.base import SessionInfo, TranscriptStore
+from .store.base import AsyncStore, SessionInfo
 from .store.factory import make_store
-from .store.sqlite import SqliteStore
 
 __all__ = ["run"]
 
 OK = 0
 FAILED = 1
 
-_Command = Callable[[TranscriptStore, argparse.Namespace, Settings, TextIO, TextIO], int]
+_Command = Callable[[AsyncStore, argparse.Namespace, Settings, TextIO, TextIO], Awaitable[int]]
 """A command: runs on an open store, between the awaited ``open()`` and ``close()``."""
 
 
@@ -59,28 +58,18 @@ def run(
 async def _with_store(
     command: _Command, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO, *, writes: bool
 ) -> int:
-    s = settings.store
-    store = make_store(
-        s.backend,
-        ttl_seconds=s.ttl_seconds,
-        max_bytes=s.max_bytes,
-        secret=s.secret,
-        flush_interval=s.flush_interval,
-    )
-    if isinstance(store, SqliteStore):
-        # Reading commands may run beside a server: a damaged file is reported, never moved
-        # from under it. Import writes (into a store no server has open) and may start afresh.
-        store.set_aside_damaged = writes
+    # Reading commands may run beside a server: a damaged sqlite file is reported, never moved
+    # from under it. Import writes (into a store no server has open) and may start afresh.
+    store = make_store(settings.store, set_aside_damaged=writes)
     await store.open()
     try:
-        # Synchronous on purpose: the store is not thread-safe, and nothing else runs meanwhile.
-        return command(store, args, settings, out, err)
+        return await command(store, args, settings, out, err)
     finally:
         await store.close()
 
 
-def _sessions(store: TranscriptStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
-    infos = store.sessions()
+async def _sessions(store: AsyncStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
+    infos = await store.sessions()
     out.write(format_table(infos))
     return OK
 
@@ -116,9 +105,9 @@ def format_table(infos: list[SessionInfo]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _show(store: TranscriptStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
-    leaf = sessions.find_session(store, args.session)
-    transcript = sessions.load_session(store, leaf) if leaf is not None else None
+async def _show(store: AsyncStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
+    leaf = await sessions.find_session(store, args.session)
+    transcript = await sessions.load_session(store, leaf) if leaf is not None else None
     if transcript is None:
         err.write(f"kvwarm: no session {args.session!r} (or the prefix is ambiguous); see `kvwarm sessions`\n")
         return FAILED
@@ -129,9 +118,9 @@ def _show(store: TranscriptStore, args: argparse.Namespace, settings: Settings, 
     return OK
 
 
-def _export(store: TranscriptStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
+async def _export(store: AsyncStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
     directory = Path(args.dir)
-    report = sessions.export_sessions(store, directory)
+    report = await sessions.export_sessions(store, directory)
     for path in report.written:
         out.write(f"{path}\n")
     for sid, problem in report.failed:
@@ -140,16 +129,16 @@ def _export(store: TranscriptStore, args: argparse.Namespace, settings: Settings
     return FAILED if report.failed else OK
 
 
-def _import(store: TranscriptStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
+async def _import(store: AsyncStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
     directory = Path(args.dir)
-    if not directory.is_dir():
+    if not await asyncio.to_thread(directory.is_dir):
         err.write(f"kvwarm: import: {directory} is not a directory\n")
         return FAILED
     key = getattr(args, "tenant_key", None)
     root = sessions.new_root(store, key, settings.store.tenant_header) if key else None
     r = settings.repair
     policy = Policy.build(r.enabled, r.collapse_duplicates, r.pin_patterns)
-    report = sessions.import_dir(store, directory, policy, root, max_bytes=settings.store.import_max_bytes)
+    report = await sessions.import_dir(store, directory, policy, root, max_bytes=settings.store.import_max_bytes)
     for path, outcome in report.imported:
         state = "imported" if outcome.new_session else "already present"
         out.write(f"{_printable(path)}: {state}: session {sessions.session_id(outcome.leaf)} ({outcome.new_nodes} new nodes)\n")

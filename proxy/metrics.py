@@ -18,7 +18,7 @@ Requests
       Requests being served now.
   ``kvwarm_errors_total{stage}``
       Failures by pipeline stage: parse, identify, match, repair, diagnose,
-      record, usage, upstream, relay, store, report (fail-open errors included).
+      record, usage, upstream, relay, store, report, routing (fail-open errors included).
 
 Usage (from each response's usage block)
   ``kvwarm_prompt_tokens_total{model}``
@@ -57,11 +57,29 @@ Repair and matching
   ``kvwarm_repair_rescued_tokens_total{model}``
       Prompt tokens in front of which a repair restored the stored prefix:
       tokens that would have been re-prefilled without kvwarm.
+  ``kvwarm_repairs_refused_total{reason}``
+      Requests forwarded unrepaired because their repair could not be written into the
+      client's bytes without changing another byte's meaning (``duplicate_key``,
+      ``unsafe_number``, ...).
   ``kvwarm_prefix_breaks_total{reason}``
       Requests that left the stored transcript, by diagnosed reason.
   ``kvwarm_matched_messages_total``, ``kvwarm_request_messages_total``
       Messages inside the matched prefix, and all request messages; their
       ratio is the share of each request kvwarm recognised.
+
+Upstream pool (one ``upstream`` label value per configured replica: its ``host:port``)
+  ``kvwarm_upstream_requests_total{upstream}``
+      Requests sent to each replica (a request failed over counts on each replica it reached).
+  ``kvwarm_upstream_inflight{upstream}`` (gauge)
+      Requests in flight on each replica now.
+  ``kvwarm_upstream_ejections_total{upstream}``
+      Times a replica was ejected (connection refused, or a burst of 5xx / failures).
+  ``kvwarm_routing_decisions_total{kind}``
+      How each placement on a pool of several replicas was decided: ``affinity`` (the
+      session's home), ``spill`` (home overloaded or ejected), ``new`` (rendezvous of the
+      leading prefix), ``failover`` (the chosen replica was unreachable, or none is healthy
+      and the one back soonest is tried),
+      ``round_robin`` / ``least_inflight`` (those policies, and requests kvwarm does not read).
 
 Store (gauges, set with :meth:`ProxyMetrics.set_store` or read at scrape time
 after :meth:`ProxyMetrics.track_store`)
@@ -74,7 +92,7 @@ after :meth:`ProxyMetrics.track_store`)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -98,6 +116,7 @@ ERROR_STAGES = (
     "relay",
     "store",
     "report",
+    "routing",
 )
 """The stages counted by ``kvwarm_errors_total``; any other name is counted as ``"other"``."""
 
@@ -233,6 +252,11 @@ class ProxyMetrics:
             ("model",),
         )
         self.repairs = counter("kvwarm_repairs_total", "Repairs applied, by drift kind.", ("kind",))
+        self.repairs_refused = counter(
+            "kvwarm_repairs_refused_total",
+            "Requests forwarded unrepaired because the repair could not be spliced into the client's bytes.",
+            ("reason",),
+        )
         self.prefix_breaks = counter(
             "kvwarm_prefix_breaks_total",
             "Requests that left the stored transcript, by reason.",
@@ -278,6 +302,20 @@ class ProxyMetrics:
             registry=registry,
         )
         self.errors = counter("kvwarm_errors_total", "Errors by pipeline stage.", ("stage",))
+        self.upstream_requests = counter(
+            "kvwarm_upstream_requests_total", "Requests sent to each upstream replica.", ("upstream",)
+        )
+        self.upstream_inflight = Gauge(
+            "kvwarm_upstream_inflight", "Requests in flight on each upstream replica.", ("upstream",), registry=registry
+        )
+        self.upstream_ejections = counter(
+            "kvwarm_upstream_ejections_total", "Times each upstream replica was ejected.", ("upstream",)
+        )
+        self.routing_decisions = counter(
+            "kvwarm_routing_decisions_total", "Placements on the upstream pool, by how they were decided.", ("kind",)
+        )
+        self._upstreams: frozenset[str] = frozenset()
+        self._decisions: frozenset[str] = frozenset()
         self.build_info = Gauge(
             "kvwarm_build_info",
             "Always 1; the running kvwarm version.",
@@ -362,6 +400,10 @@ class ProxyMetrics:
         if rescued_tokens > 0:
             self._child(self.repair_rescued_tokens, self.model_label(model)).inc(rescued_tokens)
 
+    def observe_refused(self, reason: str) -> None:
+        """Count one repair that could not be spliced (a ``proxy.core.splice.REFUSALS`` reason)."""
+        self._child(self.repairs_refused, self._reasons(str(reason)[:_MAX_LABEL_LEN])).inc()
+
     def observe_break(self, reason: str) -> None:
         """Count one prefix break by its diagnosed reason."""
         self._child(self.prefix_breaks, self._reasons(str(reason)[:_MAX_LABEL_LEN])).inc()
@@ -385,6 +427,30 @@ class ProxyMetrics:
             yield
         finally:
             self.inflight_requests.dec()
+
+    def track_upstreams(self, inflight: Mapping[str, Callable[[], float]], decisions: Iterable[str]) -> None:
+        """Declare the pool: replica label -> its in-flight count (read at scrape time), and the
+        decision kinds. Every series starts at 0; labels outside these count as ``"other"``."""
+        self._upstreams = frozenset(inflight)
+        self._decisions = frozenset(decisions)
+        for label, read in inflight.items():
+            self._child(self.upstream_requests, label)
+            self._child(self.upstream_ejections, label)
+            self.upstream_inflight.labels(label).set_function(read)
+        for kind in self._decisions:
+            self._child(self.routing_decisions, kind)
+
+    def observe_upstream_request(self, upstream: str) -> None:
+        """One request sent to replica ``upstream``."""
+        self._child(self.upstream_requests, upstream if upstream in self._upstreams else OTHER).inc()
+
+    def observe_ejection(self, upstream: str) -> None:
+        """Replica ``upstream`` was ejected."""
+        self._child(self.upstream_ejections, upstream if upstream in self._upstreams else OTHER).inc()
+
+    def observe_routing(self, kind: str) -> None:
+        """One placement on the pool, by how it was decided."""
+        self._child(self.routing_decisions, kind if kind in self._decisions else OTHER).inc()
 
     def set_store(self, stats: StoreStatsLike) -> None:
         """Set the store gauges from a ``StoreStats``."""

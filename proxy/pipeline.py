@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -34,11 +35,11 @@ from .guard import read_body
 from .metrics import ProxyMetrics
 from .relay import RelayOutcome, relay
 from .report import Answer, BreakSink, Reporter, visibility_headers
+from .routing import Lease, Replica, Route, Router
 from .store.base import AsyncStore
 from .tenancy import TenantRoots
 from .tokens import TokenCounter
-from .traits import UpstreamTraits
-from .upstream import UpstreamSender, forward_request_headers
+from .upstream import Upstream, forward_request_headers
 from .wire.base import KEEP, Outgoing, Verdict, Wire
 from .wire.chat import ChatWire
 from .wire.responses import ResponsesWire
@@ -50,8 +51,6 @@ INLINE_TOKENIZE_BYTES = 4096
 larger ones in a worker thread."""
 FILL_ROUNDS = 3
 """Most round trips to a shared store while planning one request."""
-STORE_BUDGET = 0.25
-"""Seconds a request may wait for a shared store, in all; beyond, it is forwarded unrepaired."""
 
 WIRES: tuple[Wire, ...] = (ChatWire(), ResponsesWire())
 
@@ -62,7 +61,7 @@ class Pipeline:
     def __init__(
         self,
         settings: Settings,
-        upstream: UpstreamSender,
+        upstream: Upstream,
         store: AsyncStore,
         metrics: ProxyMetrics,
         prices: PriceTable,
@@ -83,8 +82,8 @@ class Pipeline:
         )
         self.tenants = TenantRoots(store.secret(), settings.store.tenant_header)
         self.memo = IdentityMemo()
-        self.traits = UpstreamTraits()
-        """What this pipeline's one upstream has shown (see :mod:`proxy.traits`)."""
+        self.router = Router(settings.routing, upstream.senders, metrics)
+        """Which replica takes each request; each replica keeps its own traits (:mod:`proxy.traits`)."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
@@ -99,20 +98,28 @@ class Pipeline:
             answer = Answer(failed=guard.failed)
             plan: TurnPlan | None = None
             try:
-                plan = await self.plan(request, wire, body, guard)
-                outgoing = Outgoing(raw, False)
-                with guard("repair"):
-                    outgoing = wire.outgoing(raw, body, plan, self.traits)
-                upstream = await self.send(request, outgoing.body, answer, started)
-                observer = wire.observer(outgoing, self.traits, guard, success=_ok(answer.status))
+                plan = await self.plan(request, wire, raw, body, guard)
+                route = self.router.route(plan, body, guard)
+
+                def outgoing(replica: Replica) -> Outgoing:  # the bytes depend on the replica's traits
+                    out = Outgoing(raw, False)
+                    with guard("repair"):
+                        out = wire.outgoing(raw, body, plan, replica.traits)
+                    return replace(out, body=route.keyed(out.body))
+
+                lease = await self.send(request, route, outgoing, answer, started)
+                observer = wire.observer(lease.outgoing, lease.replica.traits, guard, success=_ok(answer.status))
 
                 async def finish(outcome: RelayOutcome) -> None:
                     answer.client_gone = outcome.client_gone
                     answer.reply = observer.end(client_gone=outcome.client_gone)
                     answer.usage = observer.usage
                     await self.record(plan, body, answer, guard)
+                    with guard("routing"):
+                        await lease.done(outcome)  # the replica's health; the recorded prefix lives there
 
-                return await relay(request, upstream, self.upstream, visibility_headers(plan), observer, finish)
+                async with lease:
+                    return await relay(request, lease.response, lease.sender, visibility_headers(plan), observer, finish)
             finally:
                 with guard("report"):
                     self.reporter.report(
@@ -129,39 +136,45 @@ class Pipeline:
                 return wire, body
         return None, None
 
-    async def plan(self, request: web.Request, wire: Wire, body: dict[str, Any], guard: FailOpen) -> TurnPlan:
+    async def plan(
+        self, request: web.Request, wire: Wire, raw: bytes, body: dict[str, Any], guard: FailOpen
+    ) -> TurnPlan:
         """Plan against the store's view; a shared store is filled (bounded rounds, within budget) and planned again."""
         root = self.tenants.of(request.headers)
-        view = self.store.view()
-        plan = wire.plan(body, root, view, self.policy, self.memo, guard)
+        view = self.store.view(root)
+        plan = wire.plan(raw, body, root, view, self.policy, self.memo, guard)
         if view.missing or (self.store.shared and plan.match is not None):
             with guard("store"):
-                async with asyncio.timeout(STORE_BUDGET):
+                async with asyncio.timeout(self.settings.store.timeout):
                     if plan.match is not None:
-                        view.want(plan.match.keys)
+                        view.want(plan.match.keys, plan.match.identities)
                     for _ in range(FILL_ROUNDS):
                         if not await self.store.fill(view):
                             break
-                        plan = wire.plan(body, root, view, self.policy, self.memo, guard)
+                        plan = wire.plan(raw, body, root, view, self.policy, self.memo, guard)
                         if not view.missing:
                             break
         return plan
 
-    async def send(self, request: web.Request, body: bytes, answer: Answer, started: float) -> Any:
+    async def send(
+        self, request: web.Request, route: Route, outgoing: Callable[[Replica], Outgoing], answer: Answer, started: float
+    ) -> Lease[Outgoing]:
+        """To the replica the route chooses (another one when it cannot be reached)."""
         headers = forward_request_headers(request.headers, self.settings.upstream.api_key)
         try:
-            upstream = await self.upstream.send(request.method, request.path, request.query_string, headers, body)
+            lease = await route.send(request.method, request.path, request.query_string, headers, outgoing)
         except ProxyError:
             self.metrics.error("upstream")
             raise
-        answer.status = upstream.status
+        answer.status = lease.response.status
         answer.ttfb = time.perf_counter() - started
-        return upstream
+        return lease
 
     async def passthrough(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         """A request no wire API understands: forwarded and relayed untouched, not observed."""
-        upstream = await self.send(request, raw, Answer(), time.perf_counter())
-        return await relay(request, upstream, self.upstream, {}, _Untouched(), _nothing)
+        lease = await self.send(request, self.router.route(None), lambda _: Outgoing(raw, False), Answer(), time.perf_counter())
+        async with lease:
+            return await relay(request, lease.response, lease.sender, {}, _Untouched(), lease.done)
 
     async def record(self, plan: TurnPlan | None, body: dict[str, Any], answer: Answer, guard: FailOpen) -> None:
         """Price the turn and store it, before the response's last bytes go out."""
@@ -184,22 +197,28 @@ class Pipeline:
         # A local store's write is in-memory bookkeeping (a failure is the record's); a shared
         # store may be slow or gone (a failure is the store's).
         with guard("store" if self.store.shared else "record"):
-            async with asyncio.timeout(STORE_BUDGET):
+            async with asyncio.timeout(self.settings.store.timeout):
                 await self.store.write_turn(turn)
 
     async def count_tokens(self, turn: TurnWrite) -> TurnWrite:
-        """Token counts of the nodes the store does not hold yet (their drafts carry byte lengths)."""
-        view = self.store.view()
-        new = [n for n in turn.nodes if view.get(n.key) is None]
-        if not new:
-            return replace(turn, nodes=())
+        """Token counts of the turn's new nodes (their drafts carry byte lengths); a node the view
+        already holds keeps its count. A local store gets only the nodes it lacks; a shared one all
+        of them (its process cache may hold nodes the server lost: insert-if-absent sorts it out)."""
+        view = self.store.view(turn.tenant)
+        known = {n.key: view.get(n.key) for n in turn.nodes}
+        new = [n for n in turn.nodes if known[n.key] is None]
         # CPU work: inline for a typical turn's few small messages, in a worker thread for a
         # first turn or a resume.
-        if sum(n.tokens for n in new) <= INLINE_TOKENIZE_BYTES:
+        if not new:
+            counted: list[Node] = []
+        elif sum(n.tokens for n in new) <= INLINE_TOKENIZE_BYTES:
             counted = self._count(new)
         else:
             counted = await asyncio.to_thread(self._count, new)
-        return replace(turn, nodes=tuple(counted))
+        if not self.store.shared:
+            return replace(turn, nodes=tuple(counted))
+        fresh = {n.key: n for n in counted}
+        return replace(turn, nodes=tuple(known[n.key] or fresh[n.key] for n in turn.nodes))
 
     def _count(self, nodes: list[Node]) -> list[Node]:
         count = self.tokens.count_body
@@ -222,10 +241,6 @@ class _Untouched:
 
     def end(self, *, client_gone: bool) -> None:
         return None
-
-
-async def _nothing(outcome: RelayOutcome) -> None:
-    return None
 
 
 def _ok(status: int | None) -> bool:

@@ -15,6 +15,7 @@ whatever the size of the response.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -113,6 +114,9 @@ async def _relay_events(
                 break
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         outcome.client_gone = True
+    except asyncio.CancelledError:
+        await _cancelled(upstream, outcome, finish)
+        raise
     finally:
         _done_with(upstream, outcome)
     await finish(outcome)
@@ -176,10 +180,21 @@ async def _relay_chunks(
         outcome.complete = outcome.upstream_error is None
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         outcome.client_gone = True
+    except asyncio.CancelledError:
+        await _cancelled(upstream, outcome, finish)
+        raise
     finally:
         _done_with(upstream, outcome)
     await finish(outcome)
     return await _close(request, out, outcome, [held] if held and outcome.complete else [])
+
+
+async def _cancelled(upstream: aiohttp.ClientResponse, outcome: RelayOutcome, finish: Finish) -> None:
+    """The server cancelled the handler (the client disconnected): close the upstream request and
+    still record what the client was delivered, shielded from the cancellation."""
+    outcome.client_gone = True
+    upstream.close()
+    await asyncio.shield(finish(outcome))
 
 
 def _done_with(upstream: aiohttp.ClientResponse, outcome: RelayOutcome) -> None:

@@ -76,6 +76,8 @@ class Reporter:
             if plan.match is not None:
                 m.observe_match(plan.matched_messages, plan.messages)
             repair = plan.repair
+            if plan.refused:
+                m.observe_refused(plan.refused)
             if repair.repairs:
                 m.observe_repairs((r.kind for r in repair.repairs), repair.rescued_tokens, model)
             if brk is not None:
@@ -98,10 +100,11 @@ def _log_line(api: str, model: str, stream: bool, plan: TurnPlan | None, answer:
     price = f"${cost.usd:.6f}{'' if cost.billed else '~'}" if cost and cost.usd is not None else "?"
     brk = plan.broke if plan is not None else None
     log.info(
-        "%s model=%s status=%s stream=%s prompt=%s cached=%s hit=%s repaired=%d break=%s cost=%s duration=%.3fs%s",
+        "%s model=%s status=%s stream=%s prompt=%s cached=%s hit=%s repaired=%d break=%s cost=%s duration=%.3fs%s%s",
         api, model or "-", answer.status, stream, prompt, cached, hit,
         len(plan.repair.repairs) if plan is not None else 0,
         brk.reason if brk is not None else "-", price, duration,
+        f" unrepaired={plan.refused}" if plan is not None and plan.refused else "",
         f" failed_open={','.join(answer.failed)}" if answer.failed else "",
     )
 

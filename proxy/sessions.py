@@ -35,6 +35,7 @@ the identities are kept and the keys recomputed with
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import hmac
@@ -53,7 +54,7 @@ from .core.match import chain, tenant_root
 from .core.policy import Policy
 from .core.transcript_md import Transcript
 from .errors import ImportRefused, TranscriptFormatError
-from .store.base import Node, SessionInfo, SessionTotals, TranscriptStore
+from .store.base import AsyncStore, Node, SessionInfo, SessionTotals
 
 __all__ = [
     "ExportReport",
@@ -104,7 +105,7 @@ def secret_id(secret: bytes) -> bytes:
     return hmac.new(secret, _SECRET_ID_LABEL, hashlib.sha256).digest()[: transcript_md.SECRET_ID_SIZE]
 
 
-def find_session(store: TranscriptStore, text: str, tenant: bytes | None = None) -> bytes | None:
+async def find_session(store: AsyncStore, text: str, tenant: bytes | None = None) -> bytes | None:
     """The leaf of the session ``text`` names: its full id, or a unique prefix of at least 4 hex digits.
 
     Only sessions of ``tenant`` are considered when it is given. None when nothing (or more than
@@ -115,22 +116,22 @@ def find_session(store: TranscriptStore, text: str, tenant: bytes | None = None)
         return None
     if len(wanted) == ID_HEX:
         leaf = bytes.fromhex(wanted)
-        return leaf if load_session(store, leaf, tenant, with_secret=False) is not None else None
-    found = [info.leaf for info in store.sessions(tenant) if info.leaf.hex().startswith(wanted)]
+        return leaf if await load_session(store, leaf, tenant, with_secret=False) is not None else None
+    found = [info.leaf for info in await store.sessions(tenant) if info.leaf.hex().startswith(wanted)]
     return found[0] if len(found) == 1 else None
 
 
-def load_session(
-    store: TranscriptStore, leaf: bytes, tenant: bytes | None = None, *, with_secret: bool = True
+async def load_session(
+    store: AsyncStore, leaf: bytes, tenant: bytes | None = None, *, with_secret: bool = True
 ) -> Transcript | None:
     """The session ending at ``leaf`` (of ``tenant`` when given), or None.
 
     ``with_secret=False`` leaves :attr:`Transcript.secret_id` empty (it is only needed to export).
     """
-    totals = store.totals(leaf)
+    totals = await store.totals(leaf, tenant)
     if totals is None:
         return None
-    nodes = store.path(leaf)
+    nodes = await store.path(leaf, tenant)
     if not nodes or (tenant is not None and nodes[-1].tenant != tenant):
         return None
     return Transcript(
@@ -232,12 +233,13 @@ def write_new_file(directory: Path, stem: str, data: bytes) -> Path:
     raise FileExistsError(f"{directory}: no free name {stem}_<n>.md below n={MAX_NAME_TRIES}")
 
 
-def export_sessions(store: TranscriptStore, directory: Path, tenant: bytes | None = None) -> ExportReport:
+async def export_sessions(store: AsyncStore, directory: Path, tenant: bytes | None = None) -> ExportReport:
     """Write every session (of ``tenant`` when given) to ``directory`` (created if missing)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    # The command line's own loop: file work goes to a thread all the same (nothing blocks a loop).
+    await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     report = ExportReport()
-    for info in store.sessions(tenant):
-        transcript = load_session(store, info.leaf, tenant)
+    for info in await store.sessions(tenant):
+        transcript = await load_session(store, info.leaf, info.tenant)
         if transcript is None:  # evicted between listing and loading
             continue
         try:
@@ -245,7 +247,9 @@ def export_sessions(store: TranscriptStore, directory: Path, tenant: bytes | Non
         except ValueError as exc:  # a body that is not UTF-8 text
             report.failed.append((session_id(info.leaf), f"cannot render: {exc}"))
             continue
-        report.written.append(write_new_file(directory, session_id(info.leaf)[:FILE_STEM_HEX], data))
+        report.written.append(
+            await asyncio.to_thread(write_new_file, directory, session_id(info.leaf)[:FILE_STEM_HEX], data)
+        )
     return report
 
 
@@ -284,7 +288,7 @@ class ImportOutcome:
     """False when the store already held this session (its totals are left as they were)."""
 
 
-def import_transcript(store: TranscriptStore, transcript: Transcript, root: bytes | None = None) -> ImportOutcome:
+async def import_transcript(store: AsyncStore, transcript: Transcript, root: bytes | None = None) -> ImportOutcome:
     """Store a parsed transcript: under its own tenant, or re-chained under ``root``.
 
     Without ``root`` the store must share the secret the transcript was exported under.
@@ -299,12 +303,13 @@ def import_transcript(store: TranscriptStore, transcript: Transcript, root: byte
     else:
         nodes = rechain(transcript.nodes, root)
     leaf = nodes[-1].key
-    added = store.insert(nodes)
-    if not store.path(leaf):
+    tenant = nodes[-1].tenant
+    added = await store.insert(nodes)
+    if not await store.path(leaf, tenant):
         raise ImportRefused("the store did not keep the session's nodes")
-    new_session = store.totals(leaf) is None
+    new_session = await store.totals(leaf, tenant) is None
     if new_session:
-        store.add_turn(leaf, None, transcript.totals)
+        await store.add_turn(leaf, None, transcript.totals, tenant)
     return ImportOutcome(leaf=leaf, new_nodes=added, new_session=new_session)
 
 
@@ -396,8 +401,8 @@ def refusal_problem(exc: TranscriptFormatError) -> str:
     return f"line {exc.line}: {problem}"
 
 
-def import_file(
-    store: TranscriptStore,
+async def import_file(
+    store: AsyncStore,
     path: Path,
     policy: Policy,
     root: bytes | None = None,
@@ -406,8 +411,8 @@ def import_file(
 ) -> ImportOutcome:
     """Read ``path`` (:func:`read_transcript_file`), parse it whole, then store it.
     Raises TranscriptFormatError, ImportRefused or OSError."""
-    transcript = transcript_md.parse(read_transcript_file(path, max_bytes), policy)
-    return import_transcript(store, transcript, root)
+    transcript = transcript_md.parse(await asyncio.to_thread(read_transcript_file, path, max_bytes), policy)
+    return await import_transcript(store, transcript, root)
 
 
 @dataclass(slots=True)
@@ -417,8 +422,8 @@ class ImportReport:
     """(file, problem): each a file of which nothing was stored."""
 
 
-def import_dir(
-    store: TranscriptStore,
+async def import_dir(
+    store: AsyncStore,
     directory: Path,
     policy: Policy,
     root: bytes | None = None,
@@ -428,9 +433,9 @@ def import_dir(
     """Import every ``*.md`` of ``directory`` (sorted by name); a bad file is refused whole, the rest import.
     A refusal never quotes the file (:func:`refusal_problem`)."""
     report = ImportReport()
-    for path in sorted(directory.glob("*.md")):
+    for path in await asyncio.to_thread(lambda: sorted(directory.glob("*.md"))):
         try:
-            report.imported.append((path, import_file(store, path, policy, root, max_bytes=max_bytes)))
+            report.imported.append((path, await import_file(store, path, policy, root, max_bytes=max_bytes)))
         except TranscriptFormatError as exc:
             report.refused.append((path, refusal_problem(exc)))
         except ImportRefused as exc:
@@ -440,6 +445,6 @@ def import_dir(
     return report
 
 
-def new_root(store: TranscriptStore, key: str, tenant_header: str = "") -> bytes:
+def new_root(store: AsyncStore, key: str, tenant_header: str = "") -> bytes:
     """The tenant root of the API key ``key`` in ``store`` (see :func:`credential_for_key`)."""
     return tenant_root(store.secret(), credential_for_key(key, tenant_header))

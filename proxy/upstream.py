@@ -1,8 +1,12 @@
 """The pooled upstream client: where a request goes, which headers travel, and error conversion.
 
-One :class:`aiohttp.ClientSession` per app (created in the app's ``cleanup_ctx``).
+One :class:`aiohttp.ClientSession` per app (created in the app's ``cleanup_ctx``), shared
+by every replica: :class:`Upstream` is the pool of senders, one :class:`ReplicaSender`
+per ``upstream.base_url`` (which one a request takes is :mod:`proxy.routing`'s choice).
 Library errors become :class:`~proxy.errors.UpstreamUnreachable` (502) or
-:class:`~proxy.errors.UpstreamTimeout` (504) here, once.
+:class:`~proxy.errors.UpstreamTimeout` (504) here, once; :func:`never_sent` tells the
+router which of them left the replica without a byte of the request (so another replica
+may take it).
 """
 
 from __future__ import annotations
@@ -87,8 +91,24 @@ def forward_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
     return out
 
 
+_NEVER_SENT: tuple[type[BaseException], ...] = (
+    aiohttp.ClientConnectorError,
+    getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ClientConnectorError),  # aiohttp >= 3.10
+)
+"""Failures to open a connection: not one byte of the request reached the upstream."""
+
+
+def never_sent(exc: BaseException) -> bool:
+    """``exc`` (raised by :meth:`ReplicaSender.send`) left the upstream without a byte of the
+    request: a refused or unreachable address, a connect timeout. Another replica may take it."""
+    return isinstance(exc.__cause__, _NEVER_SENT)
+
+
 class UpstreamSender(Protocol):
-    """The seam between the pipeline and the network."""
+    """The seam between the pipeline and the network: one upstream (one replica)."""
+
+    @property
+    def base_url(self) -> str: ...
 
     async def send(
         self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
@@ -98,17 +118,30 @@ class UpstreamSender(Protocol):
 
 
 class Upstream:
-    """Sends requests to ``settings.base_url`` over one pooled session."""
+    """The pool of senders: one :class:`ReplicaSender` per ``settings.base_url``, one session."""
 
     def __init__(self, session: aiohttp.ClientSession, settings: UpstreamSettings) -> None:
+        self.senders: tuple[ReplicaSender, ...] = tuple(
+            ReplicaSender(session, settings, url) for url in settings.base_url
+        )
+
+
+class ReplicaSender:
+    """Sends requests to one base URL over the app's pooled session."""
+
+    def __init__(self, session: aiohttp.ClientSession, settings: UpstreamSettings, base_url: str) -> None:
         self._session = session
         self._settings = settings
-        self._base = URL(settings.base_url.rstrip("/"))
+        self._base = URL(base_url.rstrip("/"))
         self._timeout = aiohttp.ClientTimeout(
             total=settings.total_timeout,
             sock_connect=settings.connect_timeout,
             sock_read=settings.first_byte_timeout,
         )
+
+    @property
+    def base_url(self) -> str:
+        return str(self._base)
 
     def url_for(self, path: str, query: str) -> URL:
         """``/v1/chat/completions`` -> ``<base_url>/chat/completions`` (the base carries its own /v1)."""

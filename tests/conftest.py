@@ -75,7 +75,9 @@ def metric(server: TestServer, name: str, **labels: str) -> float:
 
 
 def store_of(server: TestServer) -> Any:
-    return server.app[STORE]
+    """The app's store: the local store itself (synchronous reads) when it is one."""
+    store = server.app[STORE]
+    return getattr(store, "local", store)
 
 
 @pytest.fixture

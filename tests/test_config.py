@@ -20,7 +20,7 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
     f = tmp_path / "k.toml"
     f.write_text('[server]\nport = 9001\nhost = "0.0.0.0"\n[upstream]\nbase_url = "http://a/v1"\n')
     s = load_settings(f, env={"KVWARM_SERVER_PORT": "9002", "KVWARM_UPSTREAM_BASE_URL": "http://b/v1"}, overrides={"server.port": 9003})
-    assert (s.server.host, s.server.port, s.upstream.base_url) == ("0.0.0.0", 9003, "http://b/v1")
+    assert (s.server.host, s.server.port, s.upstream.base_url) == ("0.0.0.0", 9003, ("http://b/v1",))
 
 
 def test_env_bool_and_pin_patterns_json() -> None:

@@ -28,6 +28,7 @@ from proxy.core.match import chain, tenant_root
 from proxy.errors import TranscriptFormatError
 from proxy.sim.render import render_tokens
 from proxy.store.base import Node, SessionTotals
+from proxy.store.local import LocalStore
 from proxy.store.memory import MemoryStore
 from proxy.store.sqlite import SqliteStore
 from tests.agents import Agent, args_keys_reordered, tools_reordered
@@ -178,7 +179,7 @@ def test_concurrent_exports_write_distinct_complete_files(tmp_path: Path) -> Non
     def export() -> None:
         try:
             barrier.wait()
-            sessions.export_sessions(store, tmp_path)
+            asyncio.run(sessions.export_sessions(LocalStore(store), tmp_path))
         except Exception as exc:  # reported below
             errors.append(exc)
 
@@ -199,7 +200,7 @@ def test_export_never_overwrites(tmp_path: Path) -> None:
     (info,) = store.sessions()
     taken = tmp_path / f"{info.leaf.hex()[:16]}_1.md"
     taken.write_text("someone else's file")
-    report = sessions.export_sessions(store, tmp_path)
+    report = asyncio.run(sessions.export_sessions(LocalStore(store), tmp_path))
     assert report.written == [tmp_path / f"{info.leaf.hex()[:16]}_2.md"]
     assert taken.read_text() == "someone else's file"
 

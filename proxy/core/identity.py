@@ -49,6 +49,7 @@ __all__ = [
     "is_text_part",
     "message_identity",
     "single_text",
+    "tight",
     "tools_identity",
 ]
 
@@ -77,6 +78,13 @@ REASONING_KEYS = frozenset(
     )
 )
 """Message fields that carry reasoning or its opaque signatures: meaning, never restored or added."""
+
+
+def tight(data: bytes) -> bytes:
+    """A copy of orjson's output that holds only its bytes: orjson's own result keeps its whole
+    write buffer (a kilobyte or more behind a 40-byte message), which a store or a list of a
+    100 000-message request would hold for as long as it keeps the value."""
+    return bytes(memoryview(data))
 
 
 def _digest(data: bytes, person: bytes) -> bytes:
@@ -385,20 +393,42 @@ class IdentityMemo:
     Agents re-send the same messages every turn, so most of a request's messages were
     identified before, in exactly these bytes. ``orjson.dumps`` of two JSON-parsed values
     gives equal bytes only for equal values (same keys in the same order, same strings,
-    same numbers), so a hit is exact. Bounded by the bytes of the keys it holds; the
-    oldest entries go first. One memo serves one :class:`Policy` (pins change identities).
-    Owned by its caller (one per app); not thread-safe.
+    same numbers), so a hit is exact. One memo serves one :class:`Policy` (pins change
+    identities). Owned by its caller (one per app); not thread-safe.
+
+    Bounded by ``max_bytes`` of what it really holds: per entry, the key (a tight copy:
+    orjson's output keeps at least a 4 kB buffer behind even a short message) and
+    :attr:`ENTRY_OVERHEAD`; the tools memo likewise, within a sixteenth of the budget. Over
+    the budget, the oldest entries go, an eighth of the budget at a time (one pass over the
+    dict per batch, so eviction is O(1) per entry, where taking the first key of a dict
+    again and again is not).
     """
 
-    __slots__ = ("_entries", "_size", "_tools", "max_bytes")
+    __slots__ = ("_entries", "_size", "_tools", "_tools_size", "max_bytes")
 
+    ENTRY_OVERHEAD = 256
+    """Bytes per entry beyond its key's length, measured on CPython 3.11: the key's ``bytes``
+    header (33, rounded with the data to pymalloc's 16-byte classes: counted apart), the value
+    tuple (56 -> 64), the 16-byte identity (49 -> 64), the clean size (an int, 28 -> 32) and the
+    dict entry (60-120 under churn: 96)."""
+    TOOLS_ENTRY_OVERHEAD = 160
+    """Bytes per tool set beyond its key's length: the identity (64) and the dict entry (96)."""
     MAX_TOOL_SETS = 256
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: dict[bytes, tuple[bytes, int]] = {}
         self._size = 0
+        """Accounted bytes of both memos."""
         self._tools: dict[bytes, bytes] = {}
+        self._tools_size = 0
+
+    @staticmethod
+    def _held(length: int) -> int:
+        """A ``bytes`` of ``length`` as allocated: 33 bytes of header, 16-byte size classes."""
+        return (length + 33 + 15) & ~15
 
     def tools_identity(self, tools: Any) -> bytes:
         """:func:`tools_identity`, remembered by the exact bytes of the array (agents send the
@@ -410,9 +440,22 @@ class IdentityMemo:
         ident = self._tools.get(data)
         if ident is None:
             ident = tools_identity(tools)
-            if len(self._tools) >= self.MAX_TOOL_SETS:
-                del self._tools[next(iter(self._tools))]
-            self._tools[data] = ident
+            cost = self._held(len(data)) + self.TOOLS_ENTRY_OVERHEAD
+            cap = self.max_bytes // 16
+            if cost > cap:
+                return ident
+            tools_memo = self._tools
+            while tools_memo and (self._tools_size + cost > cap or len(tools_memo) >= self.MAX_TOOL_SETS):
+                oldest = next(iter(tools_memo))
+                del tools_memo[oldest]
+                gone = self._held(len(oldest)) + self.TOOLS_ENTRY_OVERHEAD
+                self._tools_size -= gone
+                self._size -= gone
+            tools_memo[bytes(memoryview(data))] = ident
+            self._tools_size += cost
+            self._size += cost
+            if self._size > self.max_bytes:
+                self._shrink()
         return ident
 
     def __len__(self) -> int:
@@ -422,15 +465,28 @@ class IdentityMemo:
         return self._entries.get(data)
 
     def put(self, data: bytes, value: tuple[bytes, int]) -> None:
-        if len(data) > self.max_bytes // 16 or data in self._entries:
+        cost = self._held(len(data)) + self.ENTRY_OVERHEAD
+        if cost > self.max_bytes // 16 or data in self._entries:
             return
-        self._entries[data] = value
-        self._size += len(data)
+        self._entries[bytes(memoryview(data))] = value
+        self._size += cost
+        if self._size > self.max_bytes:
+            self._shrink()
+
+    def _shrink(self) -> None:
+        """Drop the oldest entries until an eighth of the budget is free."""
+        target = self.max_bytes - self.max_bytes // 8
         entries = self._entries
-        while self._size > self.max_bytes:
-            oldest = next(iter(entries))
-            del entries[oldest]
-            self._size -= len(oldest)
+        size = self._size
+        gone: list[bytes] = []
+        for key in entries:
+            if size <= target:
+                break
+            size -= self._held(len(key)) + self.ENTRY_OVERHEAD
+            gone.append(key)
+        for key in gone:
+            del entries[key]
+        self._size = size
 
 
 def identify_messages(
@@ -470,7 +526,7 @@ def identify_messages(
         ids.append(hit[0])
         sizes.append(hit[1])
         if keep is not None:
-            keep(data)
+            keep(tight(data) if data is not None else None)
     return ids, sizes
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from .identity import IdentityMemo, identify_messages, message_identity, tools_identity
+from .identity import IdentityMemo, identify_messages, message_identity, tight, tools_identity
 from .model import ROLE_TOOLS, Node, NodeReader, chain, tenant_root
 from .policy import Policy
 
@@ -288,7 +288,7 @@ def new_nodes(
     root = match.root
     for depth in range(match.matched, len(match.keys)):
         element = elements[depth]
-        body = orjson.dumps(element)
+        body = tight(orjson.dumps(element))
         role = ROLE_TOOLS if depth == 0 else _role(element)
         out.append(
             Node(
@@ -306,7 +306,7 @@ def new_nodes(
     parent = match.keys[-1]
     for message in replies:
         identity = message_identity(message, match.policy)
-        body = orjson.dumps(message)
+        body = tight(orjson.dumps(message))
         key = chain(parent, identity)
         out.append(
             Node(

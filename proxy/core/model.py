@@ -116,3 +116,5 @@ class TurnWrite:
     totals: SessionTotals
     """This turn's numbers, added to the session's running totals."""
     now: float
+    tenant: bytes = b""
+    """The tenant root (a shared store keys a tenant's data by it)."""

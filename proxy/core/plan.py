@@ -15,7 +15,7 @@ upstream unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .breaks import Break, diagnose
@@ -27,6 +27,7 @@ from .policy import Policy
 from .pricing import Cost
 from .record import Reply
 from .repair import NO_REPAIR, RepairPlan, plan_repair
+from .splice import Refusal, try_splice
 from .usage import Usage
 
 __all__ = ["TurnPlan", "plan_turn", "turn_write"]
@@ -48,6 +49,12 @@ class TurnPlan:
     """The body as forwarded, parsed: the repaired body, or the client's."""
     messages: int
     """Messages in the client's request."""
+    spliced: bytes | None = None
+    """The client's bytes with the repair spliced in (every other byte the client's); None when
+    nothing was repaired or no raw bytes were given."""
+    refused: str = ""
+    """Why a planned repair could not be spliced into the client's bytes (a
+    :data:`~proxy.core.splice.REFUSALS` reason): the request is then planned and forwarded unrepaired."""
 
     @property
     def matched_messages(self) -> int:
@@ -67,8 +74,27 @@ def plan_turn(
     policy: Policy,
     memo: IdentityMemo | None = None,
     guard: Guard = STRICT,
+    raw: bytes | None = None,
 ) -> TurnPlan:
-    """Match ``body`` against the tree, plan its repair and diagnose its break. Never mutates ``body``."""
+    """Match ``body`` against the tree, plan its repair and diagnose its break. Never mutates ``body``.
+
+    With the client's ``raw`` bytes, a repair is spliced into them; where that cannot keep every
+    other byte's meaning (duplicate keys, numbers that would not survive), the request is planned
+    again without repair (``refused`` says why).
+    """
+    plan = _plan(body, root, reader, policy, memo, guard)
+    if raw is None or not plan.repair.repairs:
+        return plan
+    spliced = try_splice(raw, plan.repair.edits)
+    if isinstance(spliced, Refusal):
+        plan = _plan(body, root, reader, replace(policy, repair=False), memo, guard)
+        return replace(plan, refused=spliced.reason)
+    return replace(plan, spliced=spliced)
+
+
+def _plan(
+    body: Mapping[str, Any], root: bytes, reader: NodeReader, policy: Policy, memo: IdentityMemo | None, guard: Guard
+) -> TurnPlan:
     match: Match | None = None
     repair = NO_REPAIR
     brk: Break | None = None
@@ -136,7 +162,7 @@ def turn_write(
         created=now,
         updated=now,
     )
-    return TurnWrite(tuple(drafts), match.keys[: match.matched], leaf, totals, now)
+    return TurnWrite(tuple(drafts), match.keys[: match.matched], leaf, totals, now, match.root)
 
 
 def _has_output(message: Mapping[str, Any]) -> bool:

@@ -28,6 +28,7 @@ from .identity import (
 )
 from .match import Match, tool_groups
 from .policy import Policy
+from .splice import Edit, Insert, Reorder, Replace
 
 __all__ = ["REPAIR_KINDS", "Repair", "RepairPlan", "plan_repair"]
 
@@ -58,9 +59,12 @@ class Repair:
 class RepairPlan:
     repairs: tuple[Repair, ...]
     body: dict[str, Any] | None
-    """The body to forward, or None: nothing changed, forward the client's original bytes."""
+    """The body as forwarded, parsed; None: nothing changed, forward the client's original bytes."""
     rescued_tokens: int
     """Tokens of the matched elements from the first repaired one onward (what would have been re-prefilled)."""
+    edits: tuple[Edit, ...] = ()
+    """The same repair as byte-exact edits of the client's body (paths in the client's indices),
+    for :func:`proxy.core.splice.splice`: every byte outside the repaired values stays the client's."""
 
 
 NO_REPAIR = RepairPlan((), None, 0)
@@ -75,6 +79,7 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
     raw = body.get("messages")
     messages: list[Any] = raw if type(raw) is list else []
     repairs: list[Repair] = []
+    edits: list[Edit] = []
     new_tools: Any = _SAME
 
     if match.matched >= 1:
@@ -82,12 +87,14 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
         if fixed_tools is not None:
             new_tools, kind = fixed_tools
             repairs.append(Repair(0, kind))
+            edits.append(Replace(("tools",), orjson.dumps(new_tools)))
 
     order = match.order
     moved = order != tuple(range(len(messages)))
     out: list[Any] | None = [messages[i] for i in order] if moved else None
     if moved:
         repairs.extend(_order_repairs(messages, order))
+        edits.append(Reorder(("messages",), tuple(order)))
 
     last = len(order) - 1
     nodes = match.nodes
@@ -114,11 +121,12 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
         fixed = _repair_message(msg, node.body, final=final)
         if fixed is None:
             continue
-        new_msg, kinds = fixed
+        new_msg, kinds, changes = fixed
         if out is None:
             out = list(messages)
         out[p] = new_msg
         repairs.extend(Repair(p + 1, k) for k in kinds)
+        edits.extend(_at(("messages", order[p]), change) for change in changes)
 
     if not repairs:
         return NO_REPAIR
@@ -130,7 +138,16 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
     first = min(r.depth for r in repairs)
     rescued = sum(n.tokens for n in nodes[first:])
     repairs.sort(key=lambda r: r.depth)
-    return RepairPlan(tuple(repairs), new_body, rescued)
+    return RepairPlan(tuple(repairs), new_body, rescued, tuple(edits))
+
+
+def _at(prefix: tuple[str | int, ...], edit: Edit) -> Edit:
+    """``edit`` (relative to one message) at ``prefix`` in the body."""
+    if isinstance(edit, Replace):
+        return Replace(prefix + edit.path, edit.value)
+    if isinstance(edit, Reorder):
+        return Reorder(prefix + edit.path, edit.order)
+    return Insert(prefix + edit.path, edit.key, edit.value)
 
 
 def _order_repairs(messages: Sequence[Any], order: Sequence[int]) -> list[Repair]:
@@ -193,7 +210,7 @@ def _repair_tools(client: Any, stored_body: bytes) -> tuple[list[Any], str] | No
 
 def _repair_message(
     msg: Any, stored_body: bytes, *, final: bool
-) -> tuple[dict[str, Any], list[str]] | None:
+) -> tuple[dict[str, Any], list[str], list[Edit]] | None:
     if type(msg) is not dict:
         return None
     try:
@@ -204,11 +221,13 @@ def _repair_message(
         return None
     out: dict[str, Any] | None = None
     kinds: list[str] = []
+    changes: list[Edit] = []
     content, kind = _repair_content(msg.get("content"), stored.get("content"), final=final)
     if content is not _SAME:
         out = dict(msg)
         out["content"] = content
         kinds.append(kind)
+        changes.append(Replace(("content",), orjson.dumps(content)))
     calls = msg.get("tool_calls")
     stored_calls = stored.get("tool_calls")
     if type(calls) is list and type(stored_calls) is list and calls and stored_calls:
@@ -218,9 +237,10 @@ def _repair_message(
                 out = dict(msg)
             out["tool_calls"] = fixed[0]
             kinds.extend(fixed[1])
+            changes.extend(fixed[2])
     if out is None:
         return None
-    return out, kinds
+    return out, kinds, changes
 
 
 def _restore_text(client: str, stored: str, *, final: bool) -> str:
@@ -283,7 +303,7 @@ def _arguments(call: Any) -> str | None:
     return None
 
 
-def _repair_tool_calls(calls: list[Any], stored: list[Any]) -> tuple[list[Any], list[str]] | None:
+def _repair_tool_calls(calls: list[Any], stored: list[Any]) -> tuple[list[Any], list[str], list[Edit]] | None:
     """The client's calls in the stored order, each with the stored argument string."""
     pool: dict[bytes, list[int]] = {}
     for i, c in enumerate(calls):
@@ -297,8 +317,10 @@ def _repair_tool_calls(calls: list[Any], stored: list[Any]) -> tuple[list[Any], 
     if len(picked) != len(calls):
         return None
     kinds: list[str] = []
+    changes: list[Edit] = []
     if picked != sorted(picked):
         kinds.append("tool_calls_order")
+        changes.append(Reorder(("tool_calls",), tuple(picked)))
     out: list[Any] = []
     restored_args = False
     for ci, s in zip(picked, stored, strict=True):
@@ -307,9 +329,10 @@ def _repair_tool_calls(calls: list[Any], stored: list[Any]) -> tuple[list[Any], 
         if ca is not None and sa is not None and ca != sa:
             c = {**c, "function": {**c["function"], "arguments": sa}}
             restored_args = True
+            changes.append(Replace(("tool_calls", ci, "function", "arguments"), orjson.dumps(sa)))
         out.append(c)
     if restored_args:
         kinds.append("arguments")
     if not kinds:
         return None
-    return out, kinds
+    return out, kinds, changes

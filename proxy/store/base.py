@@ -148,9 +148,11 @@ class StoreView(NodeReader, Protocol):
 
     missing: Lookups
 
-    def want(self, keys: Sequence[bytes]) -> None:
-        """Ask for these nodes (and their children lists) on the next fill, unread yet:
-        the chain keys of a request are known before any of them is looked up."""
+    def want(self, keys: Sequence[bytes], identities: Sequence[bytes] = ()) -> None:
+        """Ask for these nodes (and their children lists) on the next fill, unread yet: the chain
+        keys of a request are known before any of them is looked up. ``identities`` (the elements'
+        identities, same order) let the store answer the planner's permutation and diagnosis
+        probes in the same round."""
         ...
 
 
@@ -172,12 +174,13 @@ class AsyncStore(Protocol):
 
     async def flush(self) -> None: ...
 
-    def view(self) -> StoreView:
-        """A fresh read view for one request."""
+    def view(self, tenant: bytes | None = None) -> StoreView:
+        """A fresh read view for one request of ``tenant`` (a shared store keys its data by tenant)."""
         ...
 
     async def fill(self, view: StoreView) -> bool:
-        """Fetch what ``view.missing`` names into the view; True when anything was fetched."""
+        """Fetch what ``view.missing`` names into the view; True when the plan made before may change
+        (something the planner missed exists): plan again. False: the plan stands."""
         ...
 
     async def write_turn(self, turn: TurnWrite) -> None:
@@ -187,11 +190,13 @@ class AsyncStore(Protocol):
 
     async def insert(self, nodes: Sequence[Node]) -> int: ...
 
-    async def path(self, leaf: bytes) -> list[Node]: ...
+    async def path(self, leaf: bytes, tenant: bytes | None = None) -> list[Node]: ...
 
-    async def totals(self, leaf: bytes) -> SessionTotals | None: ...
+    async def totals(self, leaf: bytes, tenant: bytes | None = None) -> SessionTotals | None: ...
 
-    async def add_turn(self, leaf: bytes, parent_leaf: bytes | None, totals: SessionTotals) -> SessionTotals: ...
+    async def add_turn(
+        self, leaf: bytes, parent_leaf: bytes | None, totals: SessionTotals, tenant: bytes | None = None
+    ) -> SessionTotals: ...
 
     async def sessions(self, tenant: bytes | None = None) -> list[SessionInfo]: ...
 

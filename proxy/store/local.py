@@ -33,7 +33,7 @@ class _CompleteView:
         self.by_identity = store.by_identity
         self.missing = Lookups()
 
-    def want(self, keys: Sequence[bytes]) -> None:
+    def want(self, keys: Sequence[bytes], identities: Sequence[bytes] = ()) -> None:
         return None
 
 
@@ -56,7 +56,7 @@ class LocalStore:
     async def flush(self) -> None:
         await self.local.flush()
 
-    def view(self) -> StoreView:
+    def view(self, tenant: bytes | None = None) -> StoreView:
         return self._view
 
     async def fill(self, view: StoreView) -> bool:
@@ -76,13 +76,15 @@ class LocalStore:
     async def insert(self, nodes: Sequence[Node]) -> int:
         return self.local.insert(nodes)
 
-    async def path(self, leaf: bytes) -> list[Node]:
+    async def path(self, leaf: bytes, tenant: bytes | None = None) -> list[Node]:
         return self.local.path(leaf)
 
-    async def totals(self, leaf: bytes) -> SessionTotals | None:
+    async def totals(self, leaf: bytes, tenant: bytes | None = None) -> SessionTotals | None:
         return self.local.totals(leaf)
 
-    async def add_turn(self, leaf: bytes, parent_leaf: bytes | None, totals: SessionTotals) -> SessionTotals:
+    async def add_turn(
+        self, leaf: bytes, parent_leaf: bytes | None, totals: SessionTotals, tenant: bytes | None = None
+    ) -> SessionTotals:
         return self.local.add_turn(leaf, parent_leaf, totals)
 
     async def sessions(self, tenant: bytes | None = None) -> list[SessionInfo]:

@@ -129,6 +129,14 @@ def display_url(url: str) -> str:
         return "(unparsable URL)"
 
 
+def _upstream_json(upstream: Mapping[str, Any], operator: bool) -> dict[str, Any]:
+    """A replica: where it is (credentials stripped), its health, and for the operator its load."""
+    out: dict[str, Any] = {"url": display_url(str(upstream["url"])), "state": upstream.get("state", "")}
+    for name in ("inflight", "requests", "ejections"):
+        out[name] = upstream.get(name) if operator else None
+    return out
+
+
 def _session_json(info: SessionInfo, preview: str) -> dict[str, Any]:
     out = summary(info.leaf, info.tenant, info.depth, info.totals)
     out["tokens"] = info.totals.prompt_tokens + info.totals.completion_tokens
@@ -184,7 +192,8 @@ def build_overview(
     activity: Activity,
     sessions: Sequence[SessionInfo],
     previews: Mapping[bytes, str],
-    upstream_url: str,
+    upstreams: Sequence[Mapping[str, Any]],
+    routing: str,
     now: float,
     pid: int,
     version: str,
@@ -192,7 +201,8 @@ def build_overview(
     """The overview for ``viewer``; ``reading`` is a live read of the registry taken at ``now``.
 
     ``sessions`` are the viewer's sessions (``store.sessions(viewer.tenant)``), ``previews``
-    the :func:`preview_of` of (at least) their :func:`top_sessions`, by leaf.
+    the :func:`preview_of` of (at least) their :func:`top_sessions`, by leaf. ``upstreams``
+    are the pool's replicas (``Router.describe()``), ``routing`` its policy.
     """
     operator = viewer.tenant is None
     uptime = max(0.0, now - history.started)
@@ -211,8 +221,9 @@ def build_overview(
         "mine": None,
         "sessions": [_session_json(i, previews.get(i.leaf, "")) for i in top_sessions(infos)],
         "session_count": len(infos),
-        # Upstream pools: one entry per replica (with its state) once pools exist.
-        "upstreams": [{"url": display_url(upstream_url), "state": "single"}],
+        # The upstream pool: one entry per replica. Its load is process-wide: the operator's.
+        "upstreams": [_upstream_json(u, operator) for u in upstreams],
+        "routing": routing if len(upstreams) > 1 else None,
     }
     examples = activity.examples(viewer.tenant, EXAMPLES)
     out["examples"] = [

@@ -82,6 +82,18 @@ def _session_row(r: Mapping[str, str]) -> str:
     )
 
 
+def _upstream_row(r: Mapping[str, str]) -> str:
+    return (
+        "<tr>"
+        f'<td data-label="Replica" class="wide"><code data-f="url">{_e(r["url"])}</code></td>'
+        f'<td data-label="State"><span class="pill" data-tone-f="state_tone" data-tone="{_e(r["state_tone"])}" data-f="state">{_e(r["state"])}</span></td>'
+        f'<td data-label="In flight" class="num" data-f="inflight">{_e(r["inflight"])}</td>'
+        f'<td data-label="Requests" class="num" data-f="requests">{_e(r["requests"])}</td>'
+        f'<td data-label="Ejections" class="num" data-f="ejections">{_e(r["ejections"])}</td>'
+        "</tr>"
+    )
+
+
 _Row = Callable[[Mapping[str, str]], str]
 LISTS: Mapping[str, tuple[_Row, tuple[str, ...]]] = {
     "breaks": (_break_row, ("reason", "explain", "count", "latest")),
@@ -90,8 +102,13 @@ LISTS: Mapping[str, tuple[_Row, tuple[str, ...]]] = {
         _session_row,
         ("id", "href", "tenant", "model", "preview", "turns", "tokens", "hit", "hit_tone", "cost", "updated"),
     ),
+    "upstreams": (_upstream_row, ("url", "state", "state_tone", "inflight", "requests", "ejections")),
 }
 """List name -> (row renderer, the row's fields)."""
+
+
+def _hidden_list(rows: list[dict[str, str]]) -> str:
+    return "" if rows else " hidden"
 
 
 def _list(name: str, rows: list[dict[str, str]], tag: str, cls: str = "") -> str:
@@ -196,10 +213,13 @@ def render_page(view: Mapping[str, Any], *, operator: bool, assets: Mapping[str,
         f'{_list("sessions", lists["sessions"], "tbody")}</table>'
         f"{empty('sessions', 'No sessions yet: point an agent at this proxy.')}"
         "</section>"
-        # Upstream pools: when kvwarm balances several replicas, this section lists each one
-        # (URL, health, sessions homed there); today there is exactly one upstream.
+        # The upstream pool: one upstream is one line; several replicas are listed, each with
+        # its health (passive ejection), and for the operator its load.
         '<section class="panel" aria-labelledby="upstreams-title" id="upstreams">'
         f'<h2 id="upstreams-title">Upstream</h2>{k("upstream", "p")}'
+        f'<table class="rows replicas"{_hidden_list(lists["upstreams"])}><thead><tr><th>Replica</th><th>State</th>'
+        '<th class="num">In flight</th><th class="num">Requests</th><th class="num">Ejections</th></tr></thead>'
+        f'{_list("upstreams", lists["upstreams"], "tbody")}</table>'
         "</section>"
         "</main>"
         '<footer><p>Numbers are this process\'s since it started (the same counters as '

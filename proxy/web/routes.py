@@ -36,8 +36,8 @@ from aiohttp import hdrs, web
 
 from .. import __version__
 from ..admin import decide_access
-from ..appkeys import ACTIVITY, HISTORY, REGISTRY, SETTINGS, STORE
-from ..store.base import SessionInfo, TranscriptStore
+from ..appkeys import ACTIVITY, HISTORY, PIPELINE, REGISTRY, SETTINGS, STORE
+from ..store.base import AsyncStore, SessionInfo
 from .counters import read_counters
 from .overview import Viewer, build_overview, preview_of, top_sessions
 from .page import CSP, render_page
@@ -114,13 +114,13 @@ class SessionReads:
         self._clock = clock
         self._cache: OrderedDict[bytes | None, tuple[float, float, list[SessionInfo], dict[bytes, str]]] = OrderedDict()
 
-    def read(self, store: TranscriptStore, tenant: bytes | None) -> tuple[list[SessionInfo], dict[bytes, str]]:
+    async def read(self, store: AsyncStore, tenant: bytes | None) -> tuple[list[SessionInfo], dict[bytes, str]]:
         started = self._clock()
         hit = self._cache.get(tenant)
         if hit is not None and started - hit[0] < hit[1] * REUSE_FACTOR:
             return hit[2], hit[3]
-        infos = store.sessions(tenant)
-        previews = {i.leaf: preview_of(store.path(i.leaf)) for i in top_sessions(infos)}
+        infos = await store.sessions(tenant)
+        previews = {i.leaf: preview_of(await store.path(i.leaf, i.tenant)) for i in top_sessions(infos)}
         self._cache[tenant] = (started, self._clock() - started, infos, previews)
         self._cache.move_to_end(tenant)
         while len(self._cache) > MAX_CACHED_VIEWERS:
@@ -131,13 +131,21 @@ class SessionReads:
 _SESSIONS = web.AppKey("kvwarm_web_sessions", SessionReads)
 
 
-def _overview(request: web.Request, viewer: Viewer) -> dict[str, object]:
+async def _overview(request: web.Request, viewer: Viewer) -> dict[str, object]:
     app = request.app
     now = time.time()
     reading = read_counters(app[REGISTRY])
     history = app[HISTORY]
     history.record(reading.totals, now)
-    infos, previews = app[_SESSIONS].read(app[STORE], viewer.tenant)
+    infos, previews = await app[_SESSIONS].read(app[STORE], viewer.tenant)
+    # The replicas: the router's live view once the pipeline exists, the configured URLs before.
+    pipeline = app.get(PIPELINE)
+    settings = app[SETTINGS]
+    upstreams = (
+        pipeline.router.describe()
+        if pipeline is not None
+        else [{"url": url, "state": "starting"} for url in settings.upstream.base_url]
+    )
     return build_overview(
         viewer=viewer,
         reading=reading,
@@ -145,7 +153,8 @@ def _overview(request: web.Request, viewer: Viewer) -> dict[str, object]:
         activity=app[ACTIVITY],
         sessions=infos,
         previews=previews,
-        upstream_url=app[SETTINGS].upstream.base_url,
+        upstreams=upstreams,
+        routing=settings.routing.policy,
         now=now,
         pid=os.getpid(),
         version=__version__,
@@ -154,7 +163,7 @@ def _overview(request: web.Request, viewer: Viewer) -> dict[str, object]:
 
 async def page(request: web.Request) -> web.Response:
     viewer = _viewer(request)
-    overview = _overview(request, viewer)
+    overview = await _overview(request, viewer)
     assets = request.app[_ASSETS].by_name
     urls = {name: f"{STATIC_PREFIX}{name}?v={asset.etag.strip(chr(34))}" for name, asset in assets.items()}
     html = render_page(
@@ -168,7 +177,7 @@ async def page(request: web.Request) -> web.Response:
 
 
 async def api_overview(request: web.Request) -> web.Response:
-    overview = _overview(request, _viewer(request))
+    overview = await _overview(request, _viewer(request))
     overview["view"] = build_view(overview)
     return web.Response(body=orjson.dumps(overview), content_type="application/json", headers=_SECURITY_HEADERS)
 

@@ -181,6 +181,28 @@ def _session_rows(sessions: Sequence[Mapping[str, Any]], now: float, operator: b
     return rows
 
 
+_POLICY_TEXT = {
+    "prefix": "each session goes to the replica holding its prefix (bounded load)",
+    "round_robin": "round robin",
+    "least_inflight": "fewest requests in flight",
+}
+_STATE_TONE = {"healthy": "good", "half-open": "mid", "ejected": "bad"}
+
+
+def _upstream_rows(upstreams: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    return [
+        {
+            "url": str(u["url"]),
+            "state": str(u["state"]),
+            "state_tone": _STATE_TONE.get(str(u["state"]), "none"),
+            "inflight": fmt_count(u.get("inflight")),
+            "requests": fmt_count(u.get("requests")),
+            "ejections": fmt_count(u.get("ejections")),
+        }
+        for u in upstreams
+    ]
+
+
 def _example_rows(examples: Sequence[Mapping[str, Any]], now: float, operator: bool) -> list[dict[str, str]]:
     rows = []
     for e in examples:
@@ -239,7 +261,14 @@ def build_view(overview: Mapping[str, Any]) -> dict[str, Any]:
         "session_count": f"{fmt_count(overview['session_count'])} in the store",
     }
     upstreams = overview["upstreams"]
-    text["upstream"] = f"one upstream: {upstreams[0]['url']}" if len(upstreams) == 1 else f"{len(upstreams)} upstreams"
+    if len(upstreams) == 1:
+        text["upstream"] = f"one upstream: {upstreams[0]['url']}"
+    else:
+        healthy = sum(1 for u in upstreams if u["state"] == "healthy")
+        text["upstream"] = (
+            f"{len(upstreams)} replicas, {healthy} healthy · "
+            f"{_POLICY_TEXT.get(str(overview.get('routing')), str(overview.get('routing')))}"
+        )
     totals = overview.get("totals")
     if totals is not None:
         recent, today = overview["recent"], overview["today"]
@@ -287,5 +316,6 @@ def build_view(overview: Mapping[str, Any]) -> dict[str, Any]:
         "breaks": _break_rows(overview["breaks"], examples),
         "examples": _example_rows(examples, now, operator),
         "sessions": _session_rows(overview["sessions"], now, operator),
+        "upstreams": _upstream_rows(upstreams) if len(upstreams) > 1 else [],
     }
     return {"text": text, "attrs": attrs, "lists": lists}

@@ -105,6 +105,7 @@ class Wire(Protocol):
 
     def plan(
         self,
+        raw: bytes,
         body: Mapping[str, Any],
         root: bytes,
         reader: NodeReader,

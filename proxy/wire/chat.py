@@ -2,9 +2,9 @@
 
 Front-end: a POST whose body is a JSON object with a ``messages`` list is a chat
 turn (anything else passes untouched). The bytes forwarded are the client's own,
-unless a repair changed the body or a streamed request needs
-``stream_options.include_usage``: kvwarm adds it when the client did not, so every
-stream reports usage, and the observer hides what that option caused.
+with a repair's values spliced in (:mod:`proxy.core.splice`) and, for a stream that
+did not ask for it, ``stream_options.include_usage`` added, so every stream reports
+usage; the observer hides what that option caused. Nothing is ever re-serialized.
 
 Observer: reads the usage from the body or from each chunk (merged), assembles the
 reply exactly as generated (:mod:`proxy.core.record`), learns the upstream's traits
@@ -27,6 +27,8 @@ from ..core.model import NodeReader
 from ..core.plan import TurnPlan, plan_turn
 from ..core.policy import Policy
 from ..core.record import Reply, ReplyAssembler, reply_from_body
+from ..core.splice import Edit, Insert, splice
+from ..core.splice import Replace as SetValue
 from ..core.sse import SSEEvent
 from ..core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
 from ..traits import UpstreamTraits
@@ -59,6 +61,7 @@ class ChatWire:
 
     def plan(
         self,
+        raw: bytes,
         body: Mapping[str, Any],
         root: bytes,
         reader: NodeReader,
@@ -66,26 +69,33 @@ class ChatWire:
         memo: IdentityMemo | None,
         guard: Guard,
     ) -> TurnPlan:
-        return plan_turn(body, root, reader, policy, memo, guard)
+        return plan_turn(body, root, reader, policy, memo, guard, raw)
 
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing:
-        """The client's bytes unless something must change; re-serialized at most once."""
-        repaired = plan.repair.body
+        """The client's bytes, with the repair spliced in and, for a stream that did not ask for
+        usage, ``stream_options.include_usage`` added; every other byte as the client sent it."""
+        base = plan.spliced if plan.spliced is not None else raw
         options = body.get("stream_options")
-        needs_usage = (
-            body.get("stream") is True
-            and not traits.reports_timings
-            and not (isinstance(options, dict) and options.get("include_usage") is True)
-        )
-        if needs_usage and (options is None or isinstance(options, dict)):
-            if repaired is None and options is None:
-                # Splice the option in front so the client's own bytes travel unchanged.
-                start = raw.index(b"{") + 1
-                return Outgoing(raw[:start] + b'"stream_options":{"include_usage":true},' + raw[start:], True)
-            out = dict(repaired if repaired is not None else body)
-            out["stream_options"] = {**(options or {}), "include_usage": True}
-            return Outgoing(orjson.dumps(out), True)
-        return Outgoing(orjson.dumps(repaired) if repaired is not None else raw, False)
+        if (
+            body.get("stream") is not True
+            or traits.reports_timings
+            or (isinstance(options, dict) and options.get("include_usage") is True)
+        ):
+            return Outgoing(base, False)
+        edit: Edit
+        if options is None:
+            edit = Insert((), "stream_options", b'{"include_usage":true}')
+        elif isinstance(options, dict):
+            edit = (
+                SetValue(("stream_options", "include_usage"), b"true")
+                if "include_usage" in options
+                else Insert(("stream_options",), "include_usage", b"true")
+            )
+        else:
+            return Outgoing(base, False)
+        injected = splice(base, (edit,))
+        # Refused (a duplicate "stream" or "stream_options" key): forward as sent, usage unknown.
+        return Outgoing(base, False) if injected is None else Outgoing(injected, True)
 
     def observer(self, outgoing: Outgoing, traits: UpstreamTraits, guard: Guard, *, success: bool) -> ChatObserver:
         return ChatObserver(outgoing.usage_injected, traits, guard, success=success)

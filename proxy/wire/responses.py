@@ -4,35 +4,51 @@ The shared core (match, repair, breaks, store) works on *elements*: the tools ar
 then chat-shaped messages. A Responses request is mapped onto that view, item by item,
 keeping for each view message the input items it came from:
 
-- ``instructions`` -> a ``system`` message (element 1 when present);
+- ``instructions`` -> a ``system`` message (the first one when present; instructions given as
+  a list of items are one opaque element, compared by value and never rewritten);
 - a ``message`` item (or an item with a ``role`` and no ``type``) -> a message of that
-  role; ``input_text`` / ``output_text`` parts become text parts, so a string and one
-  text part are the same, as the reference upstream renders them;
+  role; ``input_text`` / ``output_text`` parts become text parts without their empty
+  keys (``annotations: []``, ``logprobs: []``, nulls: no template renders them), so a
+  string and one text part are the same, as the reference upstream renders them;
 - ``function_call`` -> an assistant message with that one tool call (``call_id`` as its
   id): arguments compared as parsed JSON and restored as stored bytes, as for chat;
 - ``function_call_output`` -> a ``tool`` message; a run of them after function calls is
   a tool-result group, atomic and order-restorable;
 - ``reasoning`` items are opaque: they ride along the next item, whose view gets an
-  ``encrypted_content`` field holding their exact values (sorted-key JSON). Compared
-  byte for byte, never rewritten; dropping one is a ``reasoning_changed`` break;
+  ``encrypted_content`` field holding their values (sorted-key JSON, without ``id``,
+  ``status`` and empty fields such as the ``content: null`` an SDK's ``model_dump()``
+  adds). Compared byte for byte, never rewritten; dropping or changing one is a
+  ``reasoning_changed`` break;
 - any other item (``custom_tool_call``, ``additional_tools``, ``web_search_call``,
   ``item_reference`` ...) -> an opaque element compared by value;
 - ``tools`` in the Responses shape (built-in tools included) -> the tools element.
 
 Item ``id`` and ``status`` are identity-neutral: no template renders them (the reference
 upstream documents and tests this), and the Codex CLI makes new ids in every session.
-A repair rewrites only values inside the client's items (content texts, arguments,
-outputs), the order of a tool-result group, and the tools array; every other key of
-every item stays as the client sent it.
+A repair is planned on this view by the shared core, then mapped onto the client's items
+(:func:`item_edits`) and spliced into the client's bytes (:mod:`proxy.core.splice`): it
+sets only strings inside the client's items (the instructions, a content text or text
+part's ``text``, ``arguments``, a tool output), the order of a tool-result group (whole
+items), and the tools array; every other byte is the client's. Where that cannot be
+guaranteed, the request is forwarded (and recorded) as sent, and the refusal counted.
 
-Requests with ``previous_response_id`` keep their prefix at the provider: they are
-forwarded unchanged and only their usage is read.
+Positions in ``x-kvwarm-prefix`` / ``x-kvwarm-break`` count these elements: the
+instructions first, then one per input item, a reasoning item counted with the item it
+precedes.
+
+Requests with ``previous_response_id`` keep their prefix at the provider (and requests
+without ``input`` have none): they are forwarded unchanged and only their usage is read.
+
+Observer: the output items of a JSON body or of ``response.completed``; when the stream
+ends early (the client left, or ``response.failed`` / ``response.incomplete``), the items
+as delivered: the finished ones whole, the one in flight with the text, arguments or
+custom-tool input its deltas carried so far.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -44,17 +60,24 @@ from ..core.plan import TurnPlan, plan_turn
 from ..core.policy import Policy
 from ..core.record import Reply
 from ..core.repair import NO_REPAIR
+from ..core.splice import Edit, Refusal, Reorder, Replace, try_splice
 from ..core.sse import SSEEvent
 from ..core.usage import Usage, extract_usage
 from ..traits import UpstreamTraits
 from .base import KEEP, Outgoing, Verdict
 from .chat import BODY_LIMIT
 
-__all__ = ["ResponsesObserver", "ResponsesWire", "items_view"]
+__all__ = ["ResponsesObserver", "ResponsesWire", "item_edits", "items_view"]
 
 PATH_SUFFIX = "/responses"
 TEXT_PARTS = frozenset(("input_text", "output_text"))
+_TEXT_TYPES = TEXT_PARTS | {"text"}
+"""Parts whose ``text`` a repair may restore (a chat-style ``text`` part is one as it is)."""
 TERMINAL = frozenset(("response.completed", "response.failed", "response.incomplete"))
+_DELTAS = frozenset(
+    ("response.output_text.delta", "response.function_call_arguments.delta", "response.custom_tool_call_input.delta")
+)
+"""Stream events whose ``delta`` extends the in-flight output item's text, arguments or input."""
 _NEUTRAL = frozenset(("id", "status"))
 _SORT = orjson.OPT_SORT_KEYS
 INSTRUCTIONS = -1
@@ -77,6 +100,10 @@ def items_view(instructions: Any, items: Sequence[Any]) -> ItemsView:
     if isinstance(instructions, str) and instructions:
         messages.append({"role": "system", "content": instructions})
         spans.append((INSTRUCTIONS,))
+    elif instructions:
+        # Instructions as a list of items: compared whole, never rewritten.
+        messages.append({"role": "system", "content": _opaque(instructions)})
+        spans.append((INSTRUCTIONS,))
     pending: list[int] = []
     for k, item in enumerate(items):
         if _kind(item) == "reasoning":
@@ -84,12 +111,12 @@ def items_view(instructions: Any, items: Sequence[Any]) -> ItemsView:
             continue
         view = item_view(item)
         if pending:
-            view["encrypted_content"] = _opaque([items[r] for r in pending])
+            view["encrypted_content"] = _opaque_reasoning([items[r] for r in pending])
         messages.append(view)
         spans.append((*pending, k))
         pending = []
     if pending:
-        messages.append({"role": "assistant", "content": None, "encrypted_content": _opaque([items[r] for r in pending])})
+        messages.append({"role": "assistant", "content": None, "encrypted_content": _opaque_reasoning([items[r] for r in pending])})
         spans.append(tuple(pending))
     return ItemsView(messages, spans)
 
@@ -117,49 +144,46 @@ def _kind(item: Any) -> str:
 
 
 def _content_view(content: Any) -> Any:
+    """``content`` (or a tool output) with its ``input_text`` / ``output_text`` parts as chat text parts.
+
+    A text part's empty keys (``annotations: []``, ``logprobs: []``, ``null``s) are left out: no
+    template renders them, and without them one text part is the same as a string."""
     if type(content) is not list:
         return content
-    return [{**p, "type": "text"} if type(p) is dict and p.get("type") in TEXT_PARTS else p for p in content]
+    return [_text_part_view(p) if type(p) is dict and p.get("type") in TEXT_PARTS else p for p in content]
 
 
-def _content_back(client: Any, repaired: Any) -> Any:
-    """The repaired view content in the client's part types."""
-    if type(client) is not list or type(repaired) is not list or len(client) != len(repaired):
-        return repaired
-    return [
-        {**r, "type": c["type"]} if type(c) is dict and type(r) is dict and c.get("type") in TEXT_PARTS else r
-        for c, r in zip(client, repaired, strict=True)
-    ]
+def _text_part_view(part: dict[str, Any]) -> dict[str, Any]:
+    view = {k: v for k, v in part.items() if k == "text" or not _empty(v)}
+    view["type"] = "text"
+    return view
+
+
+def _empty(value: Any) -> bool:
+    return value is None or ((type(value) is str or type(value) is list or type(value) is dict) and not value)
 
 
 def _opaque(value: Any) -> str:
-    """Sorted-key JSON of an item (or items) minus its identity-neutral keys: compared byte for byte."""
+    """Sorted-key JSON of an item minus its identity-neutral keys: compared byte for byte."""
     if type(value) is dict:
         value = {k: v for k, v in value.items() if k not in _NEUTRAL}
-    elif type(value) is list:
-        value = [{k: v for k, v in x.items() if k not in _NEUTRAL} if type(x) is dict else x for x in value]
+    return _dumps(value)
+
+
+def _opaque_reasoning(items: Sequence[Any]) -> str:
+    """Reasoning items compared byte for byte, but for what their rendering ignores: ``id``,
+    ``status``, and empty fields (``content: null``, ``summary: []``: a reasoning item renders its
+    ``encrypted_content``, else its content or summary texts, and an empty one renders nothing)."""
+    return _dumps(
+        [{k: v for k, v in x.items() if k not in _NEUTRAL and not _empty(v)} if type(x) is dict else x for x in items]
+    )
+
+
+def _dumps(value: Any) -> str:
     try:
         return orjson.dumps(value, option=_SORT).decode()
     except TypeError:
         return repr(value)
-
-
-def _item_back(item: Any, view: Mapping[str, Any], repaired: Mapping[str, Any]) -> Any:
-    """``item`` with the values the repair restored; every other key as the client sent it."""
-    if repaired is view or type(item) is not dict:
-        return item
-    kind = _kind(item)
-    if kind == "message" and repaired.get("content") is not view.get("content"):
-        return {**item, "content": _content_back(item.get("content"), repaired.get("content"))}
-    if kind == "function_call":
-        calls = repaired.get("tool_calls")
-        if type(calls) is list and calls and type(calls[0]) is dict:
-            fn = calls[0].get("function")
-            if type(fn) is dict and fn.get("arguments") is not item.get("arguments"):
-                return {**item, "arguments": fn.get("arguments")}
-    if kind == "function_call_output" and repaired.get("content") is not view.get("content"):
-        return {**item, "output": _content_back(item.get("output"), repaired.get("content"))}
-    return item
 
 
 def _chat_body(body: Mapping[str, Any]) -> tuple[dict[str, Any], ItemsView]:
@@ -188,12 +212,13 @@ class ResponsesWire:
         if type(body) is not dict:
             return None
         items = body.get("input")
-        if not (isinstance(items, str) or type(items) is list):
+        if not (items is None or isinstance(items, str) or type(items) is list):
             return None
         return body
 
     def plan(
         self,
+        raw: bytes,
         body: Mapping[str, Any],
         root: bytes,
         reader: NodeReader,
@@ -201,45 +226,111 @@ class ResponsesWire:
         memo: IdentityMemo | None,
         guard: Guard,
     ) -> TurnPlan:
-        chat, _ = _chat_body(body)
-        if body.get("previous_response_id"):
-            # The prefix lives at the provider: nothing to match, nothing to repair.
+        chat, view = _chat_body(body)
+        if body.get("previous_response_id") or body.get("input") is None:
+            # The prefix lives at the provider (or there is no input to speak of): nothing to
+            # match, nothing to repair; the response is still observed for its usage.
             return TurnPlan(root, None, NO_REPAIR, None, chat, len(chat["messages"]))
-        return plan_turn(chat, root, reader, policy, memo, guard)
+        # Planned on the view (its bytes are not the client's); the repair is then mapped onto
+        # the client's items and spliced into the client's bytes.
+        plan = plan_turn(chat, root, reader, policy, memo, guard)
+        if not plan.repair.repairs:
+            return plan
+        spliced: bytes | Refusal = Refusal("invalid_edit", ())
+        with guard("repair"):
+            edits = item_edits(body, view, plan.repair.edits)
+            if edits:
+                spliced = try_splice(raw, edits)
+        if isinstance(spliced, Refusal):
+            # Forwarded as sent, and recorded as sent.
+            unrepaired = plan_turn(chat, root, reader, replace(policy, repair=False), memo, guard)
+            return replace(unrepaired, refused=spliced.reason)
+        return replace(plan, spliced=spliced)
 
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing:
-        repaired = plan.repair.body
-        if repaired is None or plan.match is None:
-            return Outgoing(raw, False)
-        return Outgoing(orjson.dumps(responses_body(body, plan)), False)
+        """The client's bytes, with the repair spliced in: every other byte as the client sent it."""
+        return Outgoing(plan.spliced if plan.spliced is not None else raw, False)
 
     def observer(self, outgoing: Outgoing, traits: UpstreamTraits, guard: Guard, *, success: bool) -> ResponsesObserver:
         return ResponsesObserver(guard, success=success)
 
 
-def responses_body(body: Mapping[str, Any], plan: TurnPlan) -> dict[str, Any]:
-    """The client's body with the plan's repairs mapped back onto its items, instructions and tools."""
-    assert plan.match is not None and plan.repair.body is not None
-    view = _chat_body(body)[1]
-    repaired = plan.repair.body
-    out = dict(body)
-    if "tools" in repaired:
-        out["tools"] = repaired["tools"]
+def item_edits(body: Mapping[str, Any], view: ItemsView, edits: Sequence[Edit]) -> list[Edit] | None:
+    """The repair's edits of the view, as edits of the client's Responses body; None when one has no
+    place there (the request is then forwarded unrepaired).
+
+    Paths name the client's own items (original indices): the tools array stays the tools array,
+    a reordered view (a tool-result group put back in its stored order) reorders whole items (a
+    reasoning item moves with the item it precedes), and a restored value lands on the string it
+    came from: the instructions, a message's content (or one text part's ``text``), a call's
+    ``arguments``, a tool output (or one of its text parts).
+    """
+    out: list[Edit] = []
+    for edit in edits:
+        path = edit.path
+        if isinstance(edit, Replace) and path == ("tools",):
+            out.append(edit)
+        elif isinstance(edit, Reorder) and path == ("messages",):
+            reorder = _item_order(body, view, edit.order)
+            if reorder is None:
+                return None
+            out.append(reorder)
+        elif isinstance(edit, Replace) and len(path) > 2 and path[0] == "messages" and type(path[1]) is int:
+            mapped = _value_edits(body, view.spans[path[1]], path[2:], edit.value)
+            if mapped is None:
+                return None
+            out.extend(mapped)
+        else:
+            return None
+    return out
+
+
+def _item_order(body: Mapping[str, Any], view: ItemsView, order: Sequence[int]) -> Reorder | None:
+    if type(body.get("input")) is not list:
+        return None
+    instructions = [vi for vi, span in enumerate(view.spans) if span == (INSTRUCTIONS,)]
+    if [vi for vi in order if vi in instructions] != instructions:
+        return None  # the instructions are no item: they cannot move, nor be dropped
+    return Reorder(("input",), tuple(k for vi in order if view.spans[vi] != (INSTRUCTIONS,) for k in view.spans[vi]))
+
+
+def _value_edits(body: Mapping[str, Any], span: tuple[int, ...], rest: tuple[str | int, ...], value: bytes) -> list[Edit] | None:
+    """The edits setting the view value at ``rest`` (in the view message of ``span``) in the client's body."""
+    if span == (INSTRUCTIONS,):
+        ok = rest == ("content",) and isinstance(body.get("instructions"), str) and value[:1] == b'"'
+        return [Replace(("instructions",), value)] if ok else None
     items = body.get("input")
-    source: list[Any] = items if type(items) is list else [{"role": "user", "content": items}]
-    new_items: list[Any] = []
-    for pos, vi in enumerate(plan.match.order):
-        fixed = repaired["messages"][pos]
-        span = view.spans[vi]
-        if span == (INSTRUCTIONS,):
-            out["instructions"] = fixed.get("content")
-            continue
-        new_items.extend(source[k] for k in span[:-1])
-        new_items.append(_item_back(source[span[-1]], view.messages[vi], fixed))
-    if type(items) is list:
-        out["input"] = new_items
-    elif new_items and type(new_items[0]) is dict:
-        out["input"] = new_items[0].get("content")
+    if isinstance(items, str):  # the whole input is one user message's text
+        item: Any = {"role": "user", "content": items}
+        field_path: tuple[str | int, ...] = ("input",)
+    else:
+        item = items[span[-1]] if type(items) is list else None
+        field_path = ("input", span[-1])
+    kind = _kind(item)
+    if kind == "function_call" and rest == ("tool_calls", 0, "function", "arguments"):
+        return [Replace((*field_path, "arguments"), value)]
+    field = {"message": "content", "function_call_output": "output"}.get(kind)
+    if field is None or rest != ("content",):
+        return None
+    if not isinstance(items, str):
+        field_path = (*field_path, field)
+    return _text_edits(item.get(field), orjson.loads(value), field_path)
+
+
+def _text_edits(client: Any, restored: Any, path: tuple[str | int, ...]) -> list[Edit] | None:
+    """Set the restored texts of a content value in the client's own form (a string, or each changed
+    text part's ``text``: its other keys stay the client's bytes)."""
+    if type(client) is str and type(restored) is str:
+        return [Replace(path, orjson.dumps(restored))]
+    if type(client) is not list or type(restored) is not list or len(client) != len(restored):
+        return None
+    out: list[Edit] = []
+    for j, (c, r) in enumerate(zip(client, restored, strict=True)):
+        if type(c) is dict and c.get("type") in _TEXT_TYPES and type(r) is dict and type(r.get("text")) is str:
+            if r["text"] != c.get("text"):
+                out.append(Replace((*path, j, "text"), orjson.dumps(r["text"])))
+        elif r != c:
+            return None  # the view changed a part it has no client form for
     return out
 
 
@@ -287,7 +378,7 @@ class ResponsesObserver:
             self._items[index] = data.get("item")
             if kind == "response.output_item.done":
                 self._partial.pop(index, None)
-        elif kind in ("response.output_text.delta", "response.function_call_arguments.delta") and isinstance(index, int):
+        elif kind in _DELTAS and isinstance(index, int):
             delta = data.get("delta")
             if isinstance(delta, str):
                 self._partial.setdefault(index, []).append(delta)
@@ -335,8 +426,11 @@ class ResponsesObserver:
             pieces = self._partial.get(index)
             if pieces:
                 text = "".join(pieces)
-                if _kind(item) == "function_call":
+                kind = _kind(item)
+                if kind == "function_call":
                     item = {**item, "arguments": text}
+                elif kind == "custom_tool_call":
+                    item = {**item, "input": text}
                 else:
                     item = {**item, "content": [{"type": "output_text", "text": text}]}
             out.append(item)

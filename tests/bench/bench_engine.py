@@ -14,15 +14,22 @@ prefill for everyone):
 
 The timestamp workload is the semantic control: kvwarm must leave it alone unless
 ``pin_patterns`` is set (the last row, a kvwarm started with a pin for the timestamp).
+
+Routing (``--routing`` runs only this part): two llama-server replicas (``-t 1``, two slots
+each), four agents at once, each its own conversation after the shared system prompt, through
+one ``kvwarm serve --upstream A --upstream B``: the engines' cached tokens and the median time
+to first token under ``routing.policy = prefix`` and ``round_robin``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -31,8 +38,13 @@ from pathlib import Path
 
 import aiohttp
 
+from tests.agents import args_keys_reordered, no_drift, tools_reordered
 from tests.engine.engine import engine_available, free_port, reset_slot, run_engine
-from tests.engine.workload import WORKLOADS, Run, run_workload
+from tests.engine.workload import SEED_HISTORY, WORKLOADS, Run, Workload, run_workload
+
+ROUTING_SLOTS = 2
+"""Slots per replica in the routing run: room for the sessions ``prefix`` homes there, not for all four."""
+ROUTING_AGENTS = 4
 
 OUTPUT = Path(__file__).with_name("engine_latest.md")
 PIN = r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z"
@@ -53,14 +65,77 @@ async def _wait(url: str, proc: subprocess.Popen[bytes]) -> None:
     raise RuntimeError("kvwarm did not become ready")
 
 
-def _kvwarm(engine: str, port: int, pins: bool) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, KVWARM_LOG_LEVEL="WARNING")
+def _kvwarm(engine: str | list[str], port: int, pins: bool, **env_extra: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, KVWARM_LOG_LEVEL="WARNING", **env_extra)
     if pins:
         env["KVWARM_REPAIR_PIN_PATTERNS"] = json.dumps({"system": [PIN]})
+    upstreams = [engine] if isinstance(engine, str) else engine
+    flags = [arg for url in upstreams for arg in ("--upstream", url)]
     return subprocess.Popen(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", engine, "--store", "memory", "--port", str(port)],
+        [sys.executable, "-m", "proxy", "serve", *flags, "--store", "memory", "--port", str(port)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+
+
+def _session(i: int) -> Workload:
+    """Agent ``i``: the shared system prompt and seed exchange, then its own question; every other one drifts."""
+
+    def history() -> list[dict[str, object]]:
+        seeded = copy.deepcopy(SEED_HISTORY)
+        seeded[1]["content"] = f"Agent {i}: " + str(seeded[1]["content"])
+        return seeded
+
+    drift = (no_drift, tools_reordered, no_drift, args_keys_reordered)[i % 4]
+    return Workload(f"agent {i}", drift, history)
+
+
+async def routing_bench(turns: int) -> str:
+    """Two replicas, four agents at once, under each policy: cached tokens and TTFT p50 (turns 2..N)."""
+    rows = []
+    with run_engine(threads=1, extra_args=("-np", str(ROUTING_SLOTS))) as a, run_engine(
+        threads=1, extra_args=("-np", str(ROUTING_SLOTS))
+    ) as b:
+        for policy in ("prefix", "round_robin"):
+            for engine in (a, b):
+                for slot in range(ROUTING_SLOTS):
+                    reset_slot(engine, slot)
+            port = free_port()
+            proc = _kvwarm([a, b], port, False, KVWARM_ROUTING_POLICY=policy)
+            try:
+                await _wait(f"http://127.0.0.1:{port}/readyz", proc)
+                url = f"http://127.0.0.1:{port}/v1"
+                started = time.perf_counter()
+                runs = await asyncio.gather(
+                    *(run_workload(url, _session(i), policy, turns, key="sk-bench-routing") for i in range(ROUTING_AGENTS))
+                )
+                seconds = time.perf_counter() - started
+            finally:
+                proc.terminate()
+                proc.wait(timeout=10)
+            later = [t for r in runs for t in r.turns[1:]]
+            row = (policy, sum(t.cached for t in later), sum(t.prefilled for t in later),
+                   statistics.median(t.ttft for t in later), seconds)
+            print(f"  routing {policy:12} cached {row[1]:6d}  prefilled {row[2]:6d}  ttft p50 {row[3]:6.2f}s", flush=True)
+            rows.append(row)
+    lines = [
+        "## Two replicas: routing by prefix vs round robin",
+        "",
+        f"- two llama-server replicas, `-np {ROUTING_SLOTS} -t 1` each (the rest as above); one `kvwarm serve "
+        "--upstream A --upstream B`; fresh slots per policy",
+        f"- {ROUTING_AGENTS} agents at once, each its own conversation after the shared system prompt and seed exchange "
+        f"(two of them drifting), {turns} turns; figures over turns 2..{turns} of all agents",
+        "",
+        "| routing.policy | cached tokens | prefilled tokens | TTFT p50 | wall time |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [f"| `{p}` | {c} | {f} | {t:.2f} s | {w:.0f} s |" for p, c, f, t, w in rows]
+    lines += [
+        "",
+        f"Four conversations do not fit in one replica's {ROUTING_SLOTS} slots: round robin sends each turn to the "
+        "other replica, whose slots hold other conversations; `prefix` keeps each conversation on the replica "
+        "holding it (bounded load may put three on one replica: one of them then shares a slot).",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 async def bench(turns: int) -> str:
@@ -112,12 +187,16 @@ async def bench(turns: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--routing", action="store_true", help="only the two-replica routing comparison (printed, not written)")
     args = parser.parse_args()
     if not engine_available():
         print("the engine is not built: run `make engine` first", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    report = asyncio.run(bench(args.turns))
+    if args.routing:
+        print(asyncio.run(routing_bench(args.turns)))
+        return 0
+    report = asyncio.run(bench(args.turns)) + "\n" + asyncio.run(routing_bench(args.turns))
     OUTPUT.write_text(report)
     print(report)
     print(f"[bench-engine] {time.perf_counter() - started:.0f} s; written to {OUTPUT}")

@@ -1,6 +1,6 @@
 """``make bench``: run every benchmark, print the Markdown report, write ``tests/bench/latest.md``.
 
-``python -m tests.bench.run [--quick] [--peers] [--only proxy,core,store]``
+``python -m tests.bench.run [--quick] [--peers] [--only proxy,core,store,routing]``
 
 - ``--quick``: fewer samples and a smaller store (about a third of the time);
 - ``--peers``: add LiteLLM's proxy as a column of the proxy benchmark (installed into
@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.bench import core_speed, proxy_latency, store_scale
+from tests.bench import core_speed, proxy_latency, routing, store_scale
 from tests.bench.report import Section, machine_header
 
 REPORT = Path(__file__).resolve().parent / "latest.md"
-SECTIONS = ("proxy", "core", "store")
+SECTIONS = ("proxy", "core", "store", "routing")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         "proxy": lambda: proxy_latency.run(args.quick, args.peers),
         "core": lambda: core_speed.run(args.quick),
         "store": lambda: store_scale.run(args.quick),
+        "routing": lambda: routing.run(args.quick),
     }
     started = time.perf_counter()
     parts = [machine_header(argv)]

@@ -150,7 +150,7 @@ async def test_failing_store_writes_still_serve_the_response(sim: TestServer, ma
 
 
 async def test_a_failing_serialization_forwards_the_original_bytes(sim: TestServer, make_proxy: ProxyFactory, monkeypatch: Any) -> None:
-    import proxy.wire.chat
+    import proxy.core.repair
 
     proxy_server = await make_proxy(sim)
     agent = Agent(poster(proxy_server), drift=args_keys_reordered)
@@ -159,12 +159,12 @@ async def test_a_failing_serialization_forwards_the_original_bytes(sim: TestServ
     def explode(*args: Any, **kwargs: Any) -> bytes:
         raise TypeError("cannot serialize")
 
-    class PipelineJSON:  # the chat front-end's view of orjson: parsing works, serializing fails
+    class PipelineJSON:  # the repair planner's view of orjson: parsing works, serializing fails
         loads = staticmethod(orjson.loads)
         dumps = staticmethod(explode)
         JSONDecodeError = orjson.JSONDecodeError
 
-    monkeypatch.setattr(proxy.wire.chat, "orjson", PipelineJSON)
+    monkeypatch.setattr(proxy.core.repair, "orjson", PipelineJSON)
     turn = await agent.step()  # drifted: repair planned, serialization fails, original bytes go
     monkeypatch.undo()
     assert received(sim)[-1].body == orjson.dumps(turn.request)

@@ -10,6 +10,7 @@ and no secret appears in the output.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from proxy import sessions
 from proxy.core import transcript_md
+from proxy.store.local import LocalStore
 from proxy.store.sqlite import SqliteStore
 from tests.test_inspect_cli import filled_store
 
@@ -41,7 +43,7 @@ def kvwarm_import(directory: Path, db: Path) -> subprocess.CompletedProcess[str]
 
 def test_import_refuses_links_devices_fifos_and_big_files_and_quotes_nothing(tmp_path: Path) -> None:
     source = tmp_path / "export"
-    report = sessions.export_sessions(filled_store(SECRET.encode(), 1), source)
+    report = asyncio.run(sessions.export_sessions(LocalStore(filled_store(SECRET.encode(), 1)), source))
     (good,) = report.written
     text = good.read_text()
 
@@ -78,7 +80,6 @@ def test_import_refuses_links_devices_fifos_and_big_files_and_quotes_nothing(tmp
     assert f"{good}: imported: session " in out
 
     check = SqliteStore(tmp_path / "kv.db", 3600.0, 1 << 30, SECRET.encode(), set_aside_damaged=False)
-    import asyncio
 
     async def count() -> int:
         await check.open()

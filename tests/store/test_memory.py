@@ -10,10 +10,12 @@ from dataclasses import replace
 
 import pytest
 
+from proxy.config import StoreSettings
 from proxy.errors import ConfigError
 from proxy.store.base import SessionTotals, TranscriptStore
 from proxy.store.factory import make_store
-from proxy.store.memory import NODE_OVERHEAD, MemoryStore
+from proxy.store.local import LocalStore
+from proxy.store.memory import MemoryStore, blob_cost, node_cost
 
 BIG = 10**12
 
@@ -156,7 +158,6 @@ def test_ttl_never_takes_a_parent_before_its_children(tenant, make_path, clock):
 
 
 def test_byte_budget_evicts_lru_leaves_first(tenant, make_path, clock):
-    budget_nodes = 6
     store = MemoryStore(3600, BIG, clock=clock)
     shared = [("system", "s")]
     a = make_path(tenant, [*shared, "a1", "a2"])
@@ -166,20 +167,22 @@ def test_byte_budget_evicts_lru_leaves_first(tenant, make_path, clock):
     store.insert(b)
     clock.advance(1)
     store.touch([n.key for n in a], clock.now)  # a is now the most recently used path
-    body_bytes = store.stats().bytes - NODE_OVERHEAD * store.stats().nodes
-    store._max_bytes = body_bytes + NODE_OVERHEAD * budget_nodes
     # 6 nodes stored (tools, system, a1, a2, b1, b2) are at budget: nothing to do.
+    store._max_bytes = store.stats().bytes
     assert store.evict(clock.now) == 0
     store._max_bytes -= 1
     # Over by one byte: the least recently used leaf is b2 (b1 is older but not a leaf).
     assert store.evict(clock.now) == 1
     assert store.get(b[-1].key) is None and store.get(b[-2].key) is not None
     assert_tree_closed(store)
-    # Squeeze to 2 nodes: b1 (now the LRU leaf), then a2, then a1 go; tools and system stay.
-    store._max_bytes = NODE_OVERHEAD * 2 + len(a[0].body) + len(a[1].body)
+    # Squeeze to what tools and system alone take: b1 (now the LRU leaf), then a2, then a1 go.
+    alone = MemoryStore(3600, BIG, clock=clock)
+    alone.insert(a[:2])
+    store._max_bytes = alone.stats().bytes
     assert store.evict(clock.now) == 3
     assert [n.key for n in store.path(a[1].key)] == [a[0].key, a[1].key]
     assert store.stats().nodes == 2
+    assert store.stats().bytes == alone.stats().bytes
     assert_tree_closed(store)
 
 
@@ -213,18 +216,26 @@ def test_eviction_drops_totals(tenant, make_path, clock):
 
 
 def test_blobs_are_interned(make_path, make_tenant):
-    store = MemoryStore(3600, BIG)
-    system = ("system", "S" * 20_000)
     sessions = 10_000
-    for i in range(sessions):
-        store.insert(make_path(make_tenant(f"t{i}"), [system, f"question {i}"]))
-    stats = store.stats()
+    stores = {}
+    for size in (1, 20_000):
+        store = stores[size] = MemoryStore(3600, BIG)
+        system = ("system", "S" * size)
+        for i in range(sessions):
+            store.insert(make_path(make_tenant(f"t{i}"), [system, f"question {i}"]))
+    stats = stores[20_000].stats()
     assert stats.nodes == 3 * sessions
     # Distinct blobs: "[]", the system body, one per question.
     assert stats.blobs == 2 + sessions
-    payload = stats.bytes - NODE_OVERHEAD * stats.nodes
-    assert 20_000 < payload < 20_000 + sessions * 60
-    systems = {id(n.body) for n in store._nodes.values() if n.role == "system"}
+    # The long system prompt is counted once, not once per session.
+    big, small = (stores[n]._nodes for n in (20_000, 1))
+    grown = stats.bytes - stores[1].stats().bytes
+    long_node = next(n for n in big.values() if n.role == "system")
+    short_node = next(n for n in small.values() if n.role == "system")
+    # (A node's token count above 256 is an int object of its own: counted per node.)
+    per_node = node_cost(long_node) - node_cost(short_node)
+    assert grown == blob_cost(len(long_node.body)) - blob_cost(len(short_node.body)) + sessions * per_node
+    systems = {id(n.body) for n in big.values() if n.role == "system"}
     assert len(systems) == 1
 
 
@@ -341,15 +352,19 @@ async def test_lifecycle_is_a_no_op():
     await store.close()
 
 
+def _settings(backend, secret=""):
+    return StoreSettings(backend=backend, ttl_seconds=60, max_bytes=BIG, secret=secret, flush_interval=1)
+
+
 def test_factory_memory():
-    store = make_store("memory", ttl_seconds=60, max_bytes=BIG, secret="abc", flush_interval=1)
-    assert isinstance(store, MemoryStore)
+    store = make_store(_settings("memory", "abc"))
+    assert isinstance(store, LocalStore) and isinstance(store.local, MemoryStore)
     assert store.secret() == b"abc"
-    assert len(make_store("memory", ttl_seconds=60, max_bytes=BIG, secret="", flush_interval=1).secret()) == 32
+    assert len(make_store(_settings("memory")).secret()) == 32
 
 
-@pytest.mark.parametrize("backend", ["redis://x", "sqlite:", "", "Memory"])
+@pytest.mark.parametrize("backend", ["mysql://x", "redis:x", "sqlite:", "", "Memory"])
 def test_factory_rejects_unknown_backends(backend):
     with pytest.raises(ConfigError) as info:
-        make_store(backend, ttl_seconds=60, max_bytes=BIG, secret="", flush_interval=1)
+        make_store(_settings(backend))
     assert info.value.key == "store.backend"

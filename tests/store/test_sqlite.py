@@ -10,6 +10,7 @@ from contextlib import closing
 
 import pytest
 
+from proxy.config import StoreSettings
 from proxy.errors import StoreError
 from proxy.store.base import SessionTotals, TranscriptStore
 from proxy.store.factory import make_store
@@ -332,7 +333,8 @@ async def test_wal_mode(opened, db):
 
 def test_factory_sqlite_creates_directories(tmp_path):
     path = tmp_path / "deep" / "er" / "kv.db"
-    store = make_store(f"sqlite:{path}", ttl_seconds=60, max_bytes=BIG, secret="", flush_interval=0.1)
+    wrapped = make_store(StoreSettings(backend=f"sqlite:{path}", ttl_seconds=60, max_bytes=BIG, flush_interval=0.1))
+    store = wrapped.local
     assert isinstance(store, SqliteStore)
     assert store.db_path == path
     assert path.parent.is_dir()

@@ -29,7 +29,7 @@ from proxy.appkeys import ACTIVITY, HISTORY, STORE
 from proxy.config import load_settings
 from proxy.core.match import tenant_root
 from tests.agents import args_keys_reordered, no_drift, resumed, tools_reordered
-from tests.conftest import ProxyFactory, sim_url
+from tests.conftest import ProxyFactory, sim_url, store_of
 from tests.demo.run import SEMANTIC, now_stamp, timestamp_in_system
 from tests.web.cdp import Chromium, Page, chromium_binary
 from tests.web.workload import (
@@ -244,7 +244,7 @@ async def test_a_tenant_sees_only_its_own_sessions(
         turns=3,
     )
     feed_breaks_unless_wired(kvwarm, runs)
-    store = kvwarm.app[STORE]
+    store = store_of(kvwarm)
     alice, bob = (tenant_root(store.secret(), f"Bearer {k}") for k in ("sk-alice", "sk-bob"))
     alice_ids = {s.leaf.hex() for s in store.sessions(alice)}
     bob_ids = {s.leaf.hex() for s in store.sessions(bob)}

@@ -16,6 +16,7 @@ from proxy.core.pricing import Cost
 from proxy.core.usage import Usage
 from proxy.metrics import ProxyMetrics
 from proxy.store.base import SessionInfo
+from proxy.store.local import LocalStore
 from proxy.store.memory import MemoryStore
 from proxy.web.activity import Activity, pin_line, toml_string
 from proxy.web.counters import ZERO, Totals, read_counters
@@ -215,15 +216,16 @@ class CountingStore(MemoryStore):
         return super().sessions(tenant)
 
 
-def test_a_slow_session_listing_is_reused_for_twenty_times_its_cost() -> None:
-    store = CountingStore(ttl_seconds=3600, max_bytes=1 << 20)
+async def test_a_slow_session_listing_is_reused_for_twenty_times_its_cost() -> None:
+    counting = CountingStore(ttl_seconds=3600, max_bytes=1 << 20)
+    store = LocalStore(counting)
     ticks = iter([0.0, 1.0, 10.0, 19.9, 21.0, 21.001, 21.002, 21.003, 21.1, 21.2])  # each read: start[, end]
     reads = SessionReads(clock=lambda: next(ticks))
-    reads.read(store, None)  # t=0, took 1 s
-    reads.read(store, None)  # t=10: reused
-    reads.read(store, None)  # t=19.9: reused
-    assert store.listings == 1
-    reads.read(store, None)  # t=21: read again, took 1 ms
-    reads.read(store, b"tenant")  # another viewer: its own read
-    reads.read(store, None)  # t=21.1: 0.1 s later, more than 20 ms: read again
-    assert store.listings == 4
+    await reads.read(store, None)  # t=0, took 1 s
+    await reads.read(store, None)  # t=10: reused
+    await reads.read(store, None)  # t=19.9: reused
+    assert counting.listings == 1
+    await reads.read(store, None)  # t=21: read again, took 1 ms
+    await reads.read(store, b"tenant")  # another viewer: its own read
+    await reads.read(store, None)  # t=21.1: 0.1 s later, more than 20 ms: read again
+    assert counting.listings == 4
