@@ -162,7 +162,7 @@ class Pipeline:
         """To the replica the route chooses (another one when it cannot be reached)."""
         headers = forward_request_headers(request.headers, self.settings.upstream.api_key)
         try:
-            lease = await route.send(request.method, request.path, request.query_string, headers, outgoing)
+            lease = await route.send(request.method, request.path, request.rel_url.raw_query_string, headers, outgoing)
         except ProxyError:
             self.metrics.error("upstream")
             raise

@@ -58,9 +58,11 @@ _RESPONSE_DROP = HOP_BY_HOP | {hdrs.CONTENT_LENGTH.lower(), hdrs.CONTENT_ENCODIN
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
-    """Header names listed in ``Connection`` are hop-by-hop too (RFC 9110 7.6.1)."""
-    value = headers.get(hdrs.CONNECTION, "")
-    return {t.strip().lower() for t in value.split(",") if t.strip()}
+    """Header names listed in ``Connection`` are hop-by-hop too (RFC 9110 7.6.1), from every
+    ``Connection`` field line (RFC 9110 5.3 combines them)."""
+    getall = getattr(headers, "getall", None)
+    values: list[str] = getall(hdrs.CONNECTION, []) if getall is not None else [headers.get(hdrs.CONNECTION, "")]
+    return {t.strip().lower() for value in values for t in value.split(",") if t.strip()}
 
 
 def forward_request_headers(incoming: Mapping[str, str], api_key: str = "") -> CIMultiDict[str]:
@@ -133,21 +135,20 @@ class ReplicaSender:
         self._session = session
         self._settings = settings
         self._base = URL(base_url.rstrip("/"))
-        self._timeout = aiohttp.ClientTimeout(
-            total=settings.total_timeout,
-            sock_connect=settings.connect_timeout,
-            sock_read=settings.first_byte_timeout,
-        )
+        # first_byte_timeout bounds the wait for the response headers only (see send); pauses
+        # inside a body are idle_timeout's (read_chunk).
+        self._timeout = aiohttp.ClientTimeout(total=settings.total_timeout, sock_connect=settings.connect_timeout)
 
     @property
     def base_url(self) -> str:
         return str(self._base)
 
     def url_for(self, path: str, query: str) -> URL:
-        """``/v1/chat/completions`` -> ``<base_url>/chat/completions`` (the base carries its own /v1)."""
+        """``/v1/chat/completions`` -> ``<base_url>/chat/completions`` (the base carries its own /v1).
+
+        ``query`` is the client's raw (still percent-encoded) query string: forwarded as sent."""
         tail = path[3:] if path.startswith("/v1/") or path == "/v1" else path
-        url = URL(str(self._base) + tail, encoded=True)
-        return url.with_query(query) if query else url
+        return URL(str(self._base) + tail + ("?" + query if query else ""), encoded=True)
 
     async def send(
         self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
@@ -161,15 +162,16 @@ class ReplicaSender:
         url = self.url_for(path, query)
         for attempt in range(2):
             try:
-                return await self._session.request(
-                    method,
-                    url,
-                    headers=headers,
-                    data=body if body else None,
-                    timeout=self._timeout,
-                    allow_redirects=False,
-                    auto_decompress=True,
-                )
+                async with asyncio.timeout(self._settings.first_byte_timeout):
+                    return await self._session.request(
+                        method,
+                        url,
+                        headers=headers,
+                        data=body if body else None,
+                        timeout=self._timeout,
+                        allow_redirects=False,
+                        auto_decompress=True,
+                    )
             except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
                 raise UpstreamTimeout(f"the upstream did not answer in time: {exc}") from exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
