@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.bench import core_speed, proxy_latency, routing, store_scale
+from tests.bench import core_responses, core_speed, proxy_latency, routing, store_flood, store_scale
 from tests.bench.report import Section, machine_header
 
 REPORT = Path(__file__).resolve().parent / "latest.md"
-SECTIONS = ("proxy", "core", "store", "routing")
+SECTIONS = ("proxy", "core", "responses", "store", "flood", "routing")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     runners: dict[str, Callable[[], Section]] = {
         "proxy": lambda: proxy_latency.run(args.quick, args.peers),
         "core": lambda: core_speed.run(args.quick),
+        "responses": lambda: core_responses.run(args.quick),
+        "flood": lambda: store_flood.run(args.quick),
         "store": lambda: store_scale.run(args.quick),
         "routing": lambda: routing.run(args.quick),
     }
