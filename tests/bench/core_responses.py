@@ -101,9 +101,9 @@ def run(quick: bool = False) -> Section:
         samples = interleaved(
             {
                 "loads": lambda r=raw: orjson.loads(r),  # type: ignore[misc]
-                "plan": lambda b=body, r=raw: WIRE.plan(r, b, root, store, POLICY, memo, STRICT),  # type: ignore[misc]
+                "plan": lambda b=body, r=raw, st=store, m=memo: WIRE.plan(r, b, root, st, POLICY, m, STRICT),  # type: ignore[misc]
                 "loads_drift": lambda r=drift_raw: orjson.loads(r),  # type: ignore[misc]
-                "plan_drift": lambda b=drift, r=drift_raw: WIRE.plan(r, b, root, store, POLICY, None, STRICT),  # type: ignore[misc]
+                "plan_drift": lambda b=drift, r=drift_raw, st=store: WIRE.plan(r, b, root, st, POLICY, None, STRICT),  # type: ignore[misc]
             },
             seconds=seconds,
         )
