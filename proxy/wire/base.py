@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+import orjson
+
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
 from ..core.model import NodeReader
@@ -30,7 +32,21 @@ from ..core.sse import SSEEvent
 from ..core.usage import Usage
 from ..traits import UpstreamTraits
 
-__all__ = ["HIDE", "KEEP", "Hide", "Keep", "Observer", "Outgoing", "Replace", "Verdict", "Wire"]
+__all__ = [
+    "BODY_LIMIT",
+    "HIDE",
+    "KEEP",
+    "BodyBuffer",
+    "Hide",
+    "Keep",
+    "Observer",
+    "Outgoing",
+    "Replace",
+    "Untouched",
+    "Verdict",
+    "Wire",
+    "json_post",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +133,62 @@ class Wire(Protocol):
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing: ...
 
     def observer(self, outgoing: Outgoing, traits: UpstreamTraits, guard: Guard, *, success: bool) -> Observer: ...
+
+
+BODY_LIMIT = 32 * 1024 * 1024
+"""Bytes of a non-streamed response kept for reading its usage and reply; beyond, both are unknown."""
+
+
+class BodyBuffer:
+    """A non-streamed response body kept for observing, at most ``limit`` bytes: past it, nothing
+    is kept (the usage is then unknown, never guessed), so memory stays bounded."""
+
+    __slots__ = ("_chunks", "_limit", "_size")
+
+    def __init__(self, limit: int = BODY_LIMIT) -> None:
+        self._chunks: list[bytes] | None = []
+        self._size = 0
+        self._limit = limit
+
+    def add(self, chunk: bytes) -> None:
+        if self._chunks is None:
+            return
+        self._size += len(chunk)
+        if self._size > self._limit:
+            self._chunks = None
+        else:
+            self._chunks.append(chunk)
+
+    def take(self) -> bytes | None:
+        """The whole body (None when there was none, or it overflowed); the buffer is emptied."""
+        chunks, self._chunks = self._chunks, None
+        return b"".join(chunks) if chunks else None
+
+
+def json_post(method: str, path: str, suffix: str, raw: bytes) -> dict[str, Any] | None:
+    """The body of a ``POST`` to a path ending in ``suffix`` when it is a JSON object; else None."""
+    if method != "POST" or not path.endswith(suffix) or not raw:
+        return None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return body if type(body) is dict else None
+
+
+class Untouched:
+    """The observer of a response kvwarm does not read: every event kept, nothing assembled."""
+
+    usage: Usage | None = None
+
+    def on_event(self, event: SSEEvent) -> Verdict:
+        return KEEP
+
+    def is_terminal(self, event: SSEEvent) -> bool:
+        return False
+
+    def on_body(self, chunk: bytes) -> None:
+        return None
+
+    def end(self, *, client_gone: bool) -> Reply | None:
+        return None

@@ -32,14 +32,12 @@ from ..core.splice import Replace as SetValue
 from ..core.sse import SSEEvent
 from ..core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
 from ..traits import UpstreamTraits
-from .base import HIDE, KEEP, Outgoing, Replace, Verdict
+from .base import HIDE, KEEP, BodyBuffer, Outgoing, Replace, Verdict, json_post
 
 __all__ = ["DONE", "ChatObserver", "ChatWire", "Outgoing", "without_null_usage"]
 
 DONE = "[DONE]"
 PATH_SUFFIX = "/chat/completions"
-BODY_LIMIT = 32 * 1024 * 1024
-"""Bytes of a non-streamed response kept for reading its usage and reply; beyond, both are unknown."""
 
 
 class ChatWire:
@@ -49,15 +47,8 @@ class ChatWire:
 
     def parse(self, method: str, path: str, raw: bytes) -> dict[str, Any] | None:
         """The request body when this is a chat turn kvwarm understands; else None (forwarded untouched)."""
-        if method != "POST" or not path.endswith(PATH_SUFFIX) or not raw:
-            return None
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return None
-        if type(body) is not dict or type(body.get("messages")) is not list:
-            return None
-        return body
+        body = json_post(method, path, PATH_SUFFIX, raw)
+        return body if body is not None and type(body.get("messages")) is list else None
 
     def plan(
         self,
@@ -104,7 +95,7 @@ class ChatWire:
 class ChatObserver:
     """One chat response on its way to the client."""
 
-    __slots__ = ("_assembler", "_body", "_guard", "_injected", "_overflow", "_success", "_traits", "usage")
+    __slots__ = ("_assembler", "_body", "_guard", "_injected", "_success", "_traits", "usage")
 
     def __init__(self, usage_injected: bool, traits: UpstreamTraits, guard: Guard, *, success: bool) -> None:
         self._injected = usage_injected
@@ -113,8 +104,7 @@ class ChatObserver:
         self._success = success
         """A 2xx response: only those carry a reply and usage worth reading."""
         self._assembler = ReplyAssembler()
-        self._body: list[bytes] = []
-        self._overflow = False
+        self._body = BodyBuffer()
         self.usage: Usage | None = None
 
     # -- streams -----------------------------------------------------------------------
@@ -152,22 +142,18 @@ class ChatObserver:
     # -- plain bodies --------------------------------------------------------------------
 
     def on_body(self, chunk: bytes) -> None:
-        if self._overflow or not self._success:
-            return
-        self._body.append(chunk)
-        if sum(map(len, self._body)) > BODY_LIMIT:
-            self._overflow = True
-            self._body.clear()
+        if self._success:
+            self._body.add(chunk)
 
     def end(self, *, client_gone: bool) -> Reply | None:
         reply: Reply | None = None
-        if self._body:
+        data = self._body.take()
+        if data is not None:
             with self._guard("usage"):
-                payload = orjson.loads(b"".join(self._body))
+                payload = orjson.loads(data)
                 if type(payload) is dict:
                     self._read(payload)
                     reply = reply_from_body(payload)
-            self._body.clear()
             return reply
         with self._guard("record"):
             reply = self._assembler.result()

@@ -64,8 +64,7 @@ from ..core.splice import Edit, Refusal, Reorder, Replace, try_splice
 from ..core.sse import SSEEvent
 from ..core.usage import Usage, extract_usage
 from ..traits import UpstreamTraits
-from .base import KEEP, Outgoing, Verdict
-from .chat import BODY_LIMIT
+from .base import KEEP, BodyBuffer, Outgoing, Verdict, json_post
 
 __all__ = ["ResponsesObserver", "ResponsesWire", "item_edits", "items_view"]
 
@@ -203,13 +202,8 @@ class ResponsesWire:
     name = "responses"
 
     def parse(self, method: str, path: str, raw: bytes) -> dict[str, Any] | None:
-        if method != "POST" or not path.endswith(PATH_SUFFIX) or not raw:
-            return None
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return None
-        if type(body) is not dict:
+        body = json_post(method, path, PATH_SUFFIX, raw)
+        if body is None:
             return None
         items = body.get("input")
         if not (items is None or isinstance(items, str) or type(items) is list):
@@ -337,13 +331,12 @@ def _text_edits(client: Any, restored: Any, path: tuple[str | int, ...]) -> list
 class ResponsesObserver:
     """One Responses API response on its way to the client: usage and output items, as generated."""
 
-    __slots__ = ("_body", "_done", "_guard", "_items", "_overflow", "_partial", "_success", "_terminal", "usage")
+    __slots__ = ("_body", "_done", "_guard", "_items", "_partial", "_success", "_terminal", "usage")
 
     def __init__(self, guard: Guard, *, success: bool) -> None:
         self._guard = guard
         self._success = success
-        self._body: list[bytes] = []
-        self._overflow = False
+        self._body = BodyBuffer()
         self._items: dict[int, Any] = {}
         """Output items by ``output_index``: done items whole, in-flight ones as deltas so far."""
         self._partial: dict[int, list[str]] = {}
@@ -388,20 +381,16 @@ class ResponsesObserver:
         return self._terminal
 
     def on_body(self, chunk: bytes) -> None:
-        if self._overflow or not self._success:
-            return
-        self._body.append(chunk)
-        if sum(map(len, self._body)) > BODY_LIMIT:
-            self._overflow = True
-            self._body.clear()
+        if self._success:
+            self._body.add(chunk)
 
     def end(self, *, client_gone: bool) -> Reply | None:
         output: list[Any] | None = None
         partial = False
+        data = self._body.take()
         with self._guard("usage"):
-            if self._body:
-                payload = orjson.loads(b"".join(self._body))
-                self._body.clear()
+            if data is not None:
+                payload = orjson.loads(data)
                 if type(payload) is dict:
                     self.usage = extract_usage(payload)
                     got = payload.get("output")
