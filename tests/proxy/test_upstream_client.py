@@ -16,11 +16,10 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.config import UpstreamSettings
-from proxy.core.usage import Usage
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
 from proxy.relay import RelayOutcome, relay
 from proxy.upstream import Upstream, forward_request_headers, forward_response_headers
-from proxy.wire.base import KEEP, Verdict
+from proxy.wire.base import Untouched
 from tests.conftest import ProxyFactory
 
 WAIT = 5.0
@@ -326,24 +325,6 @@ async def test_a_connection_lost_mid_body_is_unreachable_from_read_chunk(
 # -- headers ----------------------------------------------------------------------------------
 
 
-class Keep:
-    """The observer of a response nobody reads."""
-
-    usage: Usage | None = None
-
-    def on_event(self, event: object) -> Verdict:
-        return KEEP
-
-    def is_terminal(self, event: object) -> bool:
-        return False
-
-    def on_body(self, chunk: bytes) -> None:
-        return None
-
-    def end(self, *, client_gone: bool) -> None:
-        return None
-
-
 async def nothing(outcome: RelayOutcome) -> None:
     return None
 
@@ -379,7 +360,7 @@ async def hop_app(
     async def proxy_handler(request: web.Request) -> web.StreamResponse:
         headers = forward_request_headers(request.headers, api_key)
         response = await upstream.send(request.method, request.path, request.query_string, headers, await request.read())
-        return await relay(request, response, upstream, {}, Keep(), nothing)
+        return await relay(request, response, upstream, {}, Untouched(), nothing)
 
     app = web.Application()
     app.router.add_route("*", "/v1/{tail:.*}", proxy_handler)
