@@ -29,6 +29,7 @@ from .errors import MetricsUnauthorized, ProxyError, error_body
 from .guard import guard_middleware, send_and_close, shown_path
 from .metrics import ProxyMetrics
 from .pipeline import Pipeline
+from .routing import affinity_for
 from .store.base import AsyncStore, TranscriptStore
 from .store.factory import make_store
 from .store.local import LocalStore
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 
 
 MAINTENANCE_INTERVAL = 15.0
+GAUGE_INTERVAL = 1.0
+"""Seconds between two refreshes of a worker's scrape-time gauges when several workers share
+``/metrics`` (another worker's scrape reads them from this worker's files)."""
 
 
 def error_response(status: int, message: str, error_type: str, code: str) -> web.Response:
@@ -120,6 +124,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         settings, Upstream(session, settings.upstream), store, app[METRICS], app[PRICES], tokens,
         breaks=app[ACTIVITY],
     )
+    router = app[PIPELINE].router  # a shared store shares the affinity: every process routes alike
+    router.affinity = affinity_for(store, settings.routing, len(router.replicas))
     maintenance = asyncio.create_task(_maintain(app), name="kvwarm-maintenance")
     app[METRICS].track_store(store.stats)
     app[READY].set()
@@ -140,10 +146,24 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _maintain(app: web.Application) -> None:
-    """Evict expired and over-budget nodes (the store gauges are read at scrape time)."""
+    """Evict expired and over-budget nodes. The store gauges are read at scrape time; with several
+    workers (metrics in multiprocess mode) this task sets them every :data:`GAUGE_INTERVAL`."""
     store, metrics = app[STORE], app[METRICS]
+    multiprocess = metrics.multiprocess
+    tick = GAUGE_INTERVAL if multiprocess else MAINTENANCE_INTERVAL
+    ticks_per_eviction = max(1, round(MAINTENANCE_INTERVAL / tick))
+    ticks = 0
     while True:
-        await asyncio.sleep(MAINTENANCE_INTERVAL)
+        await asyncio.sleep(tick)
+        ticks += 1
+        if multiprocess:
+            try:
+                metrics.refresh_gauges()
+            except Exception:
+                log.exception("refreshing the store gauges failed")
+                metrics.error("store")
+        if ticks % ticks_per_eviction:
+            continue
         try:
             store.evict(time.time())
         except Exception:
@@ -175,5 +195,11 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
         scheme, _, presented = request.headers.get(hdrs.AUTHORIZATION, "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), token.encode()):
             raise MetricsUnauthorized("the metrics need 'Authorization: Bearer <metrics.token>'")
-    body = generate_latest(request.app[REGISTRY])
+    metrics = request.app[METRICS]
+    if metrics.multiprocess:
+        # Several workers: this worker's scrape-time gauges now, then every worker's files added up.
+        metrics.refresh_gauges()
+        body = generate_latest(metrics.exposition())
+    else:
+        body = generate_latest(request.app[REGISTRY])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

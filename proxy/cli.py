@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
@@ -54,6 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="upstream base URL, e.g. https://api.openai.com/v1; repeat it for a pool of replicas (overrides upstream.base_url)",
     )
     serve.add_argument("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING, ... (overrides log.level)")
+    serve.add_argument(
+        "--workers",
+        metavar="N",
+        type=int,
+        help="worker processes serving the port, under a supervisor (overrides server.workers; "
+        "more than 1 needs a Redis store; Linux)",
+    )
+    # A worker of `serve --workers N`: its orders come from the supervisor on stdin (proxy.workers).
+    serve.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=cmd_serve)
 
     sim = sub.add_parser(
@@ -99,12 +108,15 @@ def settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
     return load_settings(getattr(args, "config", None), overrides=overrides)
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, *, pid: bool = False) -> None:
+    """``pid``: each line names its process (a supervisor and its workers share one stderr)."""
     from .guard import quiet_malformed_requests
 
     logging.basicConfig(
         level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s"
+        if pid
+        else "%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     # A request aiohttp cannot parse (a huge header, a bad request line) is one WARNING line.
@@ -112,10 +124,8 @@ def configure_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from aiohttp.web_runner import GracefulExit
-
-    from .app import create_app
-
+    if args.worker:
+        return _serve_worker()
     settings = settings_from(
         args,
         **{
@@ -123,14 +133,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "server.port": args.port,
             "upstream.base_url": args.upstream,
             "log.level": args.log_level,
+            "server.workers": args.workers,
         },
     )
+    if settings.server.workers > 1:
+        from .workers import Supervisor
+
+        configure_logging(settings.log.level, pid=True)
+        return Supervisor(settings).run()
+    from .app import create_app
+
     configure_logging(settings.log.level)
     app = create_app(settings)
+    return _run_until_signal(settings, lambda: _serve(app, settings))
+
+
+def _serve_worker() -> int:
+    """One worker of ``serve --workers N``, started by :class:`proxy.workers.Supervisor`."""
+    from .app import create_app
+    from .workers import WorkerOrders, serve_worker
+
+    orders = WorkerOrders.decode(sys.stdin.buffer.read())
+    configure_logging(orders.settings.log.level, pid=True)
+    app = create_app(orders.settings)
+    return _run_until_signal(orders.settings, lambda: serve_worker(app, orders))
+
+
+def _run_until_signal(settings: Settings, serve: Callable[[], Coroutine[Any, Any, None]]) -> int:
+    """Run ``serve()`` on a new event loop until it returns or SIGINT / SIGTERM (GracefulExit)
+    cancels it; then close the loop as ``web.run_app`` does."""
+    from aiohttp.web_runner import GracefulExit
+
     # web.run_app, unrolled: its TCP site has no connection cap (proxy.guard.GuardedSite has).
     loop = _new_loop(settings.server.uvloop)
     asyncio.set_event_loop(loop)
-    main = loop.create_task(_serve(app, settings))
+    main = loop.create_task(serve())
     try:
         loop.run_until_complete(main)
     except (GracefulExit, KeyboardInterrupt):

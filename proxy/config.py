@@ -42,6 +42,9 @@ class ServerSettings:
     max_connections: int = 512
     """Client connections open at once (idle keep-alive ones included); one more is answered 503
     and closed at once. Keep it plus ``upstream.max_connections`` under the open-file limit."""
+    workers: int = 1
+    """Worker processes serving one port (``kvwarm serve --workers N``, Linux). More than one needs a
+    shared store (``store.backend`` a Redis URL); the connection limits then hold per worker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +120,12 @@ class RoutingSettings:
     eject_seconds: float = 30.0
     """How long an ejected replica gets no requests; then one request probes it."""
     affinity_entries: int = 65536
-    """Prefix -> replica entries remembered (least recently used forgotten first)."""
+    """Prefix -> replica entries remembered (least recently used forgotten first) by one process.
+    With a shared store (a Redis ``store.backend``) the table lives there instead, shared by
+    every kvwarm process, and this does not apply."""
+    affinity_ttl_seconds: float = 1800.0
+    """With a shared store: how long a prefix -> replica entry lives after it was last written
+    (about as long as an engine keeps a prefix's KV)."""
     prompt_cache_key: str = ""
     """``session``: give each session a stable ``prompt_cache_key`` when the client sent none
     (OpenAI-style providers route by it). Empty: never."""
@@ -324,6 +332,8 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"server.{name}", "must be a positive number of seconds")
     if s.server.max_connections <= 0:
         raise ConfigError("server.max_connections", "must be positive")
+    if s.server.workers < 1:
+        raise ConfigError("server.workers", f"must be at least 1, got {s.server.workers}")
     urls = s.upstream.base_url
     if not urls:
         raise ConfigError("upstream.base_url", "needs at least one URL")
@@ -343,6 +353,16 @@ def _validate(s: Settings) -> None:
     backend = s.store.backend
     if backend != "memory" and not (backend.startswith("sqlite:") and len(backend) > len("sqlite:")) and not is_redis_url(backend):
         raise ConfigError("store.backend", f"expected 'memory', 'sqlite:PATH' or a redis:// URL, got {backend!r}")
+    if s.server.workers > 1 and not is_redis_url(backend):
+        why = (
+            "each worker would keep its own transcripts, so a session's turns would miss on the other workers"
+            if backend == "memory"
+            else "a sqlite file is owned by one process, which keeps the store's index in its memory"
+        )
+        raise ConfigError(
+            "server.workers",
+            f"{s.server.workers} workers need a shared store (store.backend a Redis URL), not {backend!r}: {why}",
+        )
     if s.store.timeout <= 0:
         raise ConfigError("store.timeout", "must be a positive number of seconds")
     if s.store.cache_bytes <= 0:
@@ -377,6 +397,8 @@ def _validate_routing(r: RoutingSettings) -> None:
             raise ConfigError(f"routing.{name}", "must be a positive number of seconds")
     if r.affinity_entries < 1:
         raise ConfigError("routing.affinity_entries", "must be at least 1")
+    if not r.affinity_ttl_seconds > 0:
+        raise ConfigError("routing.affinity_ttl_seconds", "must be a positive number of seconds")
     if r.prompt_cache_key not in PROMPT_CACHE_KEY_MODES:
         raise ConfigError("routing.prompt_cache_key", f"expected \"session\" or \"\" (off), got {r.prompt_cache_key!r}")
     if r.prompt_cache_key_rpm < 1:

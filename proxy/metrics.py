@@ -88,15 +88,42 @@ after :meth:`ProxyMetrics.track_store`)
 
   ``kvwarm_build_info{version}`` (gauge)
       Always 1; the running version as a label.
+
+Batches
+  The request path's observations (every counter and histogram above but
+  ``kvwarm_errors_total``) are summed per series, and histogram observations counted per
+  bucket, in a batch that is applied when the registry is read: a scrape, the live page's
+  counters or ``get_sample_value`` first run :meth:`ProxyMetrics.flush` (a collector
+  registered ahead of every metric). So a read right after a response sees it, and a burst
+  of requests costs one increment per series. With several workers the batch is applied at
+  the end of the event loop's iteration instead (another worker's scrape cannot flush this
+  one). Gauges (in flight, store) are set at once.
+
+Several workers (``kvwarm serve --workers N``)
+  The supervisor sets ``PROMETHEUS_MULTIPROC_DIR`` before a worker imports prometheus-client,
+  so each worker keeps its values in files there, and ``/metrics`` from any worker shows the
+  totals of all of them (:meth:`ProxyMetrics.exposition`; counters of workers that died stay
+  counted). Each gauge says how workers add up: in-flight counts are summed over the live
+  workers; ``kvwarm_store_nodes`` / ``kvwarm_store_bytes`` too (a shared store's stats are the
+  worker's own node cache: each holds its own copy, so the sum is the memory they use);
+  ``kvwarm_store_sessions`` is the most recent reading (a shared store's count is the same
+  for every worker); ``kvwarm_store_corrupt_entries`` is summed over every worker since start;
+  ``kvwarm_build_info`` is 1. Gauges read at scrape time (``set_function``) cannot reach
+  another process: there they are set by :meth:`ProxyMetrics.refresh_gauges` (each worker
+  about once a second, and the scraped worker at the scrape). The live page keeps reading
+  its own worker's registry.
 """
 
 from __future__ import annotations
 
+import asyncio
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client.multiprocess import MultiProcessCollector
 
 import proxy
 from proxy.core.pricing import Cost
@@ -179,17 +206,99 @@ class _BoundedLabel:
         return OTHER
 
 
+class _Batch:
+    """Observations not applied yet: increments summed per counter child, and per histogram child
+    the sum and the count of each bucket (bounded by the label sets, however many requests)."""
+
+    __slots__ = ("counts", "histograms")
+
+    def __init__(self) -> None:
+        self.counts: dict[Any, float] = {}
+        self.histograms: dict[Any, list[float]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.counts or self.histograms)
+
+    def inc(self, child: Any, amount: float = 1.0) -> None:
+        counts = self.counts
+        counts[child] = counts.get(child, 0.0) + amount
+
+    def observe(self, child: Any, value: float) -> None:
+        slots = self.histograms.get(child)
+        if slots is None:
+            # [sum, one count per bucket]: Histogram.observe adds to the first bucket whose
+            # upper bound is >= the value (its buckets are not cumulative until collected).
+            slots = self.histograms[child] = [0.0] * (len(child._upper_bounds) + 1)
+        slots[0] += value
+        if value == value:  # NaN is in no bucket
+            slots[1 + bisect_left(child._upper_bounds, value)] += 1
+
+    def apply(self) -> None:
+        counts, histograms = self.counts, self.histograms
+        self.counts, self.histograms = {}, {}
+        for child, amount in counts.items():
+            child.inc(amount)
+        for child, slots in histograms.items():
+            child._sum.inc(slots[0])
+            buckets = child._buckets
+            for i, n in enumerate(slots[1:]):
+                if n:
+                    buckets[i].inc(n)
+
+
+class _Series:
+    """The children one request observes, for one (model, status class, stream), by name: each
+    looked up once, when first observed (a series no request observed is not exported)."""
+
+    __slots__ = ("_child", "_kids", "_table")
+
+    def __init__(self, child: Callable[..., Any], table: dict[str, tuple[Any, tuple[str, ...]]]) -> None:
+        self._child = child
+        self._table = table
+        """name -> (metric, its label values for this series)."""
+        self._kids: dict[str, Any] = {}
+
+    def __call__(self, name: str) -> Any:
+        kid = self._kids.get(name)
+        if kid is None:
+            metric, values = self._table[name]
+            kid = self._kids[name] = self._child(metric, *values)
+        return kid
+
+
+class _FlushOnRead:
+    """A collector with no metrics of its own, registered first: every read of the registry
+    applies the pending observations before the metrics are collected."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self._flush = flush
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> list[Any]:
+        self._flush()
+        return []
+
+
 class ProxyMetrics:
     """kvwarm's metric definitions and the helpers the pipeline calls to observe a request."""
 
     def __init__(self, registry: CollectorRegistry, max_models: int = 20) -> None:
         self.registry = registry
+        self._batch = _Batch()
+        self._before_flush: list[Callable[[], None]] = []
+        self._flush_scheduled = False
+        self._flush_each_iteration = self.multiprocess
+        # Ahead of every metric in the registry's order: collected (and so flushed) first.
+        registry.register(_FlushOnRead(self.flush))  # type: ignore[arg-type]
         self._models = _BoundedLabel(max(0, max_models))
         self._kinds = _BoundedLabel(_MAX_VOCABULARY)
         self._reasons = _BoundedLabel(_MAX_VOCABULARY)
         # labels() validates and locks on every call; the label sets are bounded, so the
         # children are looked up once and kept (this is on every request's path).
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        self._request_series: dict[tuple[str, str, bool], _Series] = {}
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, labels, registry=registry)
@@ -280,33 +389,42 @@ class ProxyMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        # multiprocess_mode: how several workers' values add up (the module docstring); one
+        # process ignores it.
         self.inflight_requests = Gauge(
-            "kvwarm_inflight_requests", "Requests being served now.", registry=registry
+            "kvwarm_inflight_requests", "Requests being served now.", registry=registry, multiprocess_mode="livesum"
         )
         self.store_nodes = Gauge(
-            "kvwarm_store_nodes", "Nodes in the transcript store.", registry=registry
+            "kvwarm_store_nodes", "Nodes in the transcript store.", registry=registry, multiprocess_mode="livesum"
         )
         self.store_bytes = Gauge(
             "kvwarm_store_bytes",
             "Approximate bytes held by the transcript store.",
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.store_sessions = Gauge(
             "kvwarm_store_sessions",
             "Sessions (leaves with totals) in the store.",
             registry=registry,
+            multiprocess_mode="livemostrecent",
         )
         self.store_corrupt_entries = Gauge(
             "kvwarm_store_corrupt_entries",
             "Store entries that failed to decode or verify since start.",
             registry=registry,
+            multiprocess_mode="sum",
         )
         self.errors = counter("kvwarm_errors_total", "Errors by pipeline stage.", ("stage",))
         self.upstream_requests = counter(
             "kvwarm_upstream_requests_total", "Requests sent to each upstream replica.", ("upstream",)
         )
         self.upstream_inflight = Gauge(
-            "kvwarm_upstream_inflight", "Requests in flight on each upstream replica.", ("upstream",), registry=registry
+            "kvwarm_upstream_inflight",
+            "Requests in flight on each upstream replica.",
+            ("upstream",),
+            registry=registry,
+            multiprocess_mode="livesum",
         )
         self.upstream_ejections = counter(
             "kvwarm_upstream_ejections_total", "Times each upstream replica was ejected.", ("upstream",)
@@ -316,11 +434,16 @@ class ProxyMetrics:
         )
         self._upstreams: frozenset[str] = frozenset()
         self._decisions: frozenset[str] = frozenset()
+        # Multiprocess mode: the readers refresh_gauges() sets the scrape-time gauges from.
+        self._store_stats: Callable[[], StoreStatsLike] | None = None
+        self._upstream_reads: dict[str, tuple[Any, Callable[[], float]]] = {}
+        self._merged: CollectorRegistry | None = None
         self.build_info = Gauge(
             "kvwarm_build_info",
             "Always 1; the running kvwarm version.",
             ("version",),
             registry=registry,
+            multiprocess_mode="livemax",
         )
         self.build_info.labels(version=proxy.__version__).set(1)
         # Start every known stage at 0 so rate() and absent-series alerts work from the first scrape.
@@ -354,70 +477,122 @@ class ProxyMetrics:
     ) -> None:
         """Count one finished request: status, latencies, token usage and cost."""
         label = self.model_label(model)
-        streamed = "true" if stream else "false"
         status_class = _status_class(status)
-        self._child(self.requests, label, status_class, streamed).inc()
-        self._child(self.request_duration, label, streamed).observe(max(0.0, duration))
+        kids = self._request_series.get((label, status_class, stream))
+        if kids is None:
+            kids = self._request_series[(label, status_class, stream)] = self._series_of(label, status_class, stream)
+        batch = self._pending()
+        inc, observe = batch.inc, batch.observe
+        inc(kids("requests"))
+        observe(kids("duration"), max(0.0, duration))
         if ttfb is not None:
-            self._child(self.upstream_ttfb, label, streamed).observe(max(0.0, ttfb))
+            observe(kids("ttfb"), max(0.0, ttfb))
         if usage is None:
             if status_class == "2xx":
-                self._child(self.usage_missing, label).inc()
+                inc(kids("usage_missing"))
         else:
-            self._observe_usage(label, usage)
+            self._observe_usage(batch, kids, usage)
         if cost is not None:
             if cost.usd is None:
-                self._child(self.unpriced_requests, label).inc()
+                inc(kids("unpriced"))
             else:
-                source = "billed" if cost.billed else "estimated"
-                self._child(self.cost_usd, label, source).inc(max(0.0, cost.usd))
+                inc(kids("billed" if cost.billed else "estimated"), max(0.0, cost.usd))
 
-    def _observe_usage(self, label: str, usage: Usage) -> None:
+    def _series_of(self, label: str, status_class: str, stream: bool) -> _Series:
+        streamed = "true" if stream else "false"
+        one = (label,)
+        return _Series(self._child, {
+            "requests": (self.requests, (label, status_class, streamed)),
+            "duration": (self.request_duration, (label, streamed)),
+            "ttfb": (self.upstream_ttfb, (label, streamed)),
+            "billed": (self.cost_usd, (label, "billed")),
+            "estimated": (self.cost_usd, (label, "estimated")),
+            "usage_missing": (self.usage_missing, one),
+            "unpriced": (self.unpriced_requests, one),
+            "prompt": (self.prompt_tokens, one),
+            "completion": (self.completion_tokens, one),
+            "reasoning": (self.reasoning_tokens, one),
+            "cache_write": (self.cache_write_tokens, one),
+            "unknown_cache": (self.usage_unknown_cache, one),
+            "cached": (self.cached_prompt_tokens, one),
+            "cache_known": (self.cache_known_prompt_tokens, one),
+            "hit_ratio": (self.cache_hit_ratio, one),
+        })
+
+    def _observe_usage(self, batch: _Batch, kids: _Series, usage: Usage) -> None:
+        inc = batch.inc
         prompt = usage.prompt_tokens
         if prompt and prompt > 0:
-            self._child(self.prompt_tokens, label).inc(prompt)
+            inc(kids("prompt"), prompt)
         if usage.completion_tokens and usage.completion_tokens > 0:
-            self._child(self.completion_tokens, label).inc(usage.completion_tokens)
+            inc(kids("completion"), usage.completion_tokens)
         if usage.reasoning_tokens and usage.reasoning_tokens > 0:
-            self._child(self.reasoning_tokens, label).inc(usage.reasoning_tokens)
+            inc(kids("reasoning"), usage.reasoning_tokens)
         if usage.cache_write_tokens and usage.cache_write_tokens > 0:
-            self._child(self.cache_write_tokens, label).inc(usage.cache_write_tokens)
+            inc(kids("cache_write"), usage.cache_write_tokens)
         cached = usage.cached_tokens
         if cached is None or prompt is None:
             # Without both numbers the response says nothing about the hit ratio.
-            self._child(self.usage_unknown_cache, label).inc()
+            inc(kids("unknown_cache"))
             return
         cached = min(max(cached, 0), max(prompt, 0))
-        self._child(self.cached_prompt_tokens, label).inc(cached)
-        self._child(self.cache_known_prompt_tokens, label).inc(prompt)
+        inc(kids("cached"), cached)
+        inc(kids("cache_known"), prompt)
         if prompt > 0:
-            self._child(self.cache_hit_ratio, label).observe(cached / prompt)
+            batch.observe(kids("hit_ratio"), cached / prompt)
 
     def observe_repairs(self, kinds: Iterable[str], rescued_tokens: int, model: str) -> None:
         """Count the repairs of one request (one per repaired element, by kind) and the tokens rescued."""
+        batch = self._pending()
         for kind in kinds:
-            self._child(self.repairs, self._kinds(str(kind)[:_MAX_LABEL_LEN])).inc()
+            batch.inc(self._child(self.repairs, self._kinds(str(kind)[:_MAX_LABEL_LEN])))
         if rescued_tokens > 0:
-            self._child(self.repair_rescued_tokens, self.model_label(model)).inc(rescued_tokens)
+            batch.inc(self._child(self.repair_rescued_tokens, self.model_label(model)), rescued_tokens)
 
     def observe_refused(self, reason: str) -> None:
         """Count one repair that could not be spliced (a ``proxy.core.splice.REFUSALS`` reason)."""
-        self._child(self.repairs_refused, self._reasons(str(reason)[:_MAX_LABEL_LEN])).inc()
+        self._pending().inc(self._child(self.repairs_refused, self._reasons(str(reason)[:_MAX_LABEL_LEN])))
 
     def observe_break(self, reason: str) -> None:
         """Count one prefix break by its diagnosed reason."""
-        self._child(self.prefix_breaks, self._reasons(str(reason)[:_MAX_LABEL_LEN])).inc()
+        self._pending().inc(self._child(self.prefix_breaks, self._reasons(str(reason)[:_MAX_LABEL_LEN])))
 
     def observe_match(self, matched: int, total: int) -> None:
         """Count a request's messages and how many of them were inside the matched prefix."""
+        batch = self._pending()
         if total > 0:
-            self.request_messages.inc(total)
+            batch.inc(self.request_messages, total)
         if matched > 0:
-            self.matched_messages.inc(min(matched, max(total, 0)))
+            batch.inc(self.matched_messages, min(matched, max(total, 0)))
 
     def error(self, stage: str) -> None:
         """Count one error of a pipeline stage (see :data:`ERROR_STAGES`)."""
         self._child(self.errors, stage if stage in ERROR_STAGES else OTHER).inc()
+
+    # -- the batch ------------------------------------------------------------------------------
+
+    def before_flush(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` first whenever the batch is applied (the reporter's pending requests)."""
+        self._before_flush.append(callback)
+
+    def flush(self) -> None:
+        """Apply every pending observation (run by any read of the registry)."""
+        self._flush_scheduled = False
+        for callback in self._before_flush:
+            callback()
+        if self._batch:
+            self._batch.apply()
+
+    def _pending(self) -> _Batch:
+        """The batch to add to. With several workers, one flush per event-loop iteration is
+        scheduled: their scrapes read the files, not this process's batch."""
+        if self._flush_each_iteration and not self._flush_scheduled:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+                self._flush_scheduled = True
+            except RuntimeError:  # no event loop (a tool, a test): the caller flushes or a read does
+                pass
+        return self._batch
 
     @contextmanager
     def inflight(self) -> Iterator[None]:
@@ -436,13 +611,17 @@ class ProxyMetrics:
         for label, read in inflight.items():
             self._child(self.upstream_requests, label)
             self._child(self.upstream_ejections, label)
-            self.upstream_inflight.labels(label).set_function(read)
+            if self.multiprocess:
+                self._upstream_reads[label] = (self.upstream_inflight.labels(label), read)
+            else:
+                self.upstream_inflight.labels(label).set_function(read)
+        self.refresh_gauges()
         for kind in self._decisions:
             self._child(self.routing_decisions, kind)
 
     def observe_upstream_request(self, upstream: str) -> None:
         """One request sent to replica ``upstream``."""
-        self._child(self.upstream_requests, upstream if upstream in self._upstreams else OTHER).inc()
+        self._pending().inc(self._child(self.upstream_requests, upstream if upstream in self._upstreams else OTHER))
 
     def observe_ejection(self, upstream: str) -> None:
         """Replica ``upstream`` was ejected."""
@@ -450,7 +629,7 @@ class ProxyMetrics:
 
     def observe_routing(self, kind: str) -> None:
         """One placement on the pool, by how it was decided."""
-        self._child(self.routing_decisions, kind if kind in self._decisions else OTHER).inc()
+        self._pending().inc(self._child(self.routing_decisions, kind if kind in self._decisions else OTHER))
 
     def set_store(self, stats: StoreStatsLike) -> None:
         """Set the store gauges from a ``StoreStats``."""
@@ -460,11 +639,46 @@ class ProxyMetrics:
         self.store_corrupt_entries.set(stats.corrupt)
 
     def track_store(self, stats: Callable[[], StoreStatsLike]) -> None:
-        """Read the store gauges at scrape time from ``stats()`` (e.g. ``store.stats``)."""
+        """Read the store gauges at scrape time from ``stats()`` (e.g. ``store.stats``); in
+        multiprocess mode, whenever :meth:`refresh_gauges` runs."""
+        if self.multiprocess:
+            self._store_stats = stats
+            self.refresh_gauges()
+            return
         self.store_nodes.set_function(lambda: float(stats().nodes))
         self.store_bytes.set_function(lambda: float(stats().bytes))
         self.store_sessions.set_function(lambda: float(stats().sessions))
         self.store_corrupt_entries.set_function(lambda: float(stats().corrupt))
+
+    # -- several workers ------------------------------------------------------------------------
+
+    @property
+    def multiprocess(self) -> bool:
+        """True when prometheus-client keeps values in ``PROMETHEUS_MULTIPROC_DIR`` files (it
+        decides once, when first imported): the gauges read at scrape time then need
+        :meth:`refresh_gauges`, and ``/metrics`` serves :meth:`exposition`."""
+        return bool(getattr(values.ValueClass, "_multiprocess", False))
+
+    def refresh_gauges(self) -> None:
+        """Multiprocess mode: set the scrape-time gauges (store, replica in-flight) from their
+        readers, so every worker's file holds its current values. One process: nothing to do."""
+        stats = self._store_stats
+        if stats is not None:
+            self.set_store(stats())
+        for child, read in self._upstream_reads.values():
+            child.set(read())
+
+    def exposition(self) -> CollectorRegistry:
+        """What ``/metrics`` serves: this registry, or in multiprocess mode one that adds up every
+        worker's files (prometheus-client's ``MultiProcessCollector``)."""
+        if not self.multiprocess:
+            return self.registry  # collecting it flushes (see _FlushOnRead)
+        self.flush()
+        if self._merged is None:
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+            self._merged = merged
+        return self._merged
 
 
 def _status_class(status: int | None) -> str:

@@ -11,22 +11,25 @@ Because keys are *repaired* identities, a drifting agent's keys do not change
 from turn to turn and it keeps its home; routers that hash the raw bytes lose it.
 
 :class:`Affinity` is the seam: :class:`LocalAffinity` keeps a bounded LRU table in this
-process. A shared implementation (every kvwarm process in front of the same pool sees
-where a session lives) implements the same two calls next to the shared transcript
-store: one entry per node key, kept with the tenant's other keys (``tenant``), expiring
-about when an engine's KV would (minutes to hours, not the transcript's day), read with
-one ``MGET`` of the looked-up keys (or returned by the store's fill of the same chain, in
-the same round trip) and written with one pipelined ``SET ... EX``. Replicas are named by
-their base URL, which every process configured with the same pool agrees on.
+process. A shared store keeps it beside the transcripts (an :class:`AffinitySource`: the
+Redis store, :mod:`proxy.store.redis_affinity`), so every kvwarm process in front of the
+same pool sees where a session lives: one entry per node key, kept with the tenant's other
+keys (``tenant``), expiring about when an engine's KV would
+(``routing.affinity_ttl_seconds``: minutes to hours, not the transcript's day), returned by
+the store's fill of the same chain in the same round trip (else one ``MGET``) and written
+with one pipelined ``SET ... PX``. Replicas are named by their base URL, which every process
+configured with the same pool agrees on. :func:`affinity_for` picks the table.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-__all__ = ["Affinity", "LocalAffinity"]
+from ..config import RoutingSettings
+
+__all__ = ["Affinity", "AffinitySource", "LocalAffinity", "affinity_for"]
 
 
 class Affinity(Protocol):
@@ -74,3 +77,24 @@ class LocalAffinity:
             table.move_to_end(key)
         while len(table) > self.max_entries:
             table.popitem(last=False)
+
+
+@runtime_checkable
+class AffinitySource(Protocol):
+    """A store that can keep the affinity table beside its transcripts."""
+
+    shared: bool
+    """True when other processes use the same store (then so do their routers)."""
+
+    def affinity(self, ttl_seconds: float) -> Affinity:
+        """The table in this store; an entry expires ``ttl_seconds`` after its last write."""
+        ...
+
+
+def affinity_for(store: object, settings: RoutingSettings, replicas: int) -> Affinity:
+    """The affinity table of a router over ``replicas`` upstreams in front of ``store``: the
+    store's own when it is shared (and affinity is used at all: a pool, the ``prefix``
+    policy), so every process routes a session the same way; else one in this process."""
+    if replicas > 1 and settings.policy == "prefix" and isinstance(store, AffinitySource) and store.shared:
+        return store.affinity(settings.affinity_ttl_seconds)
+    return LocalAffinity(settings.affinity_entries)

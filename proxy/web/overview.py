@@ -32,7 +32,7 @@ from yarl import URL
 
 from ..sessions import summary
 from ..store.base import Node, SessionInfo
-from .activity import Activity
+from .activity import Activity, BreakExample
 from .counters import Reading, Totals
 from .history import DAY_MINUTES, History
 
@@ -197,12 +197,14 @@ def build_overview(
     now: float,
     pid: int,
     version: str,
+    workers: int = 1,
 ) -> dict[str, Any]:
     """The overview for ``viewer``; ``reading`` is a live read of the registry taken at ``now``.
 
     ``sessions`` are the viewer's sessions (``store.sessions(viewer.tenant)``), ``previews``
     the :func:`preview_of` of (at least) their :func:`top_sessions`, by leaf. ``upstreams``
-    are the pool's replicas (``Router.describe()``), ``routing`` its policy.
+    are the pool's replicas (``Router.describe()``), ``routing`` its policy. ``workers``: how
+    many worker processes serve the port (``server.workers``), ``pid`` the one answering.
     """
     operator = viewer.tenant is None
     uptime = max(0.0, now - history.started)
@@ -213,7 +215,7 @@ def build_overview(
         "generated_at": now,
         "scope": "all" if operator else "tenant",
         "access": viewer.why,
-        "process": {"pid": pid, "started_at": history.started, "uptime_seconds": uptime},
+        "process": {"pid": pid, "workers": workers, "started_at": history.started, "uptime_seconds": uptime},
         "totals": None,
         "recent": None,
         "today": None,
@@ -225,33 +227,9 @@ def build_overview(
         "upstreams": [_upstream_json(u, operator) for u in upstreams],
         "routing": routing if len(upstreams) > 1 else None,
     }
-    examples = activity.examples(viewer.tenant, EXAMPLES)
-    out["examples"] = [
-        {
-            "reason": e.reason,
-            "where": e.where,
-            "role": e.role,
-            "shape": e.shape,
-            "hint": e.hint,
-            "pin_line": e.pin_line,
-            "count": e.count,
-            "first_seen": e.first_seen,
-            "last_seen": e.last_seen,
-            "tenant": e.tenant.hex(),
-        }
-        for e in examples
-    ]
+    out["examples"] = [_example_json(e) for e in activity.examples(viewer.tenant, EXAMPLES)]
     if operator:
-        current = reading.totals
-        midnight = local_midnight(now)
-        out["totals"] = _totals_json(current)
-        recent = _totals_json(history.since(now - (RECENT_MINUTES - 1) * 60, current))
-        recent["minutes"] = RECENT_MINUTES
-        out["recent"] = recent
-        today = _totals_json(history.since(midnight, current))
-        today["since"] = midnight
-        out["today"] = today
-        out["history"] = _history_json(history, current, now, uptime)
+        out.update(_process_numbers(reading, history, now, uptime))
         counts: Mapping[str, float] = reading.breaks_by_reason
     else:
         out["mine"] = _mine(infos)
@@ -262,3 +240,34 @@ def build_overview(
         if n > 0
     ]
     return out
+
+
+def _process_numbers(reading: Reading, history: History, now: float, uptime: float) -> dict[str, Any]:
+    """The operator's process-wide numbers: ``totals`` since start, ``recent``, ``today``, ``history``."""
+    current = reading.totals
+    midnight = local_midnight(now)
+    recent = _totals_json(history.since(now - (RECENT_MINUTES - 1) * 60, current))
+    recent["minutes"] = RECENT_MINUTES
+    today = _totals_json(history.since(midnight, current))
+    today["since"] = midnight
+    return {
+        "totals": _totals_json(current),
+        "recent": recent,
+        "today": today,
+        "history": _history_json(history, current, now, uptime),
+    }
+
+
+def _example_json(e: BreakExample) -> dict[str, Any]:
+    return {
+        "reason": e.reason,
+        "where": e.where,
+        "role": e.role,
+        "shape": e.shape,
+        "hint": e.hint,
+        "pin_line": e.pin_line,
+        "count": e.count,
+        "first_seen": e.first_seen,
+        "last_seen": e.last_seen,
+        "tenant": e.tenant.hex(),
+    }

@@ -122,58 +122,48 @@ def _list(name: str, rows: list[dict[str, str]], tag: str, cls: str = "") -> str
 # -- the document -----------------------------------------------------------------------------
 
 
-def render_page(view: Mapping[str, Any], *, operator: bool, assets: Mapping[str, str], api: str, interval_ms: int) -> str:
-    """The whole HTML document. ``assets`` maps ``dashboard.css``, ``dashboard.js`` and ``favicon.svg`` to their URLs."""
-    text: Mapping[str, str] = view["text"]
-    attrs: Mapping[str, str] = view["attrs"]
-    lists: Mapping[str, list[dict[str, str]]] = view["lists"]
+class _Slots:
+    """The ``data-k`` slots of one view: each element written with its value from the view."""
 
-    def k(key: str, tag: str = "span", cls: str = "") -> str:
-        value = text.get(key, "")
+    __slots__ = ("attrs", "lists", "text")
+
+    def __init__(self, view: Mapping[str, Any]) -> None:
+        self.text: Mapping[str, str] = view["text"]
+        self.attrs: Mapping[str, str] = view["attrs"]
+        self.lists: Mapping[str, list[dict[str, str]]] = view["lists"]
+
+    def k(self, key: str, tag: str = "span", cls: str = "") -> str:
+        value = self.text.get(key, "")
         attr = f' class="{cls}"' if cls else ""
         return f'<{tag}{attr} data-k="{key}">{_e(value)}</{tag}>'
 
-    def empty(name: str, message: str) -> str:
-        hidden = " hidden" if lists[name] else ""
+    def empty(self, name: str, message: str) -> str:
+        hidden = " hidden" if self.lists[name] else ""
         return f'<p class="empty" data-empty="{name}"{hidden}>{_e(message)}</p>'
 
+
+def render_page(view: Mapping[str, Any], *, operator: bool, assets: Mapping[str, str], api: str, interval_ms: int) -> str:
+    """The whole HTML document. ``assets`` maps ``dashboard.css``, ``dashboard.js`` and ``favicon.svg`` to their URLs."""
+    slots = _Slots(view)
     if operator:
-        cards = (
-            '<section class="cards" aria-label="Totals of this process">'
-            f'<article class="card hit" data-tone-k="hit_tone" data-tone="{_e(text["hit_tone"])}">'
-            f'<h2>Cache hit</h2>{k("hit_total", "p", "big")}'
-            f'{k("hit_tokens", "p", "sub")}{k("hit_recent", "p", "sub")}</article>'
-            f'<article class="card"><h2>Rescued by repair</h2>{k("rescued", "p", "big")}{k("rescued_note", "p", "sub")}</article>'
-            f'<article class="card"><h2>Cost today</h2>{k("cost_today", "p", "big")}{k("cost_split", "p", "sub")}'
-            f'{k("today_since", "p", "sub")}{k("cost_note", "p", "sub warn")}</article>'
-            f'<article class="card"><h2>Requests</h2>{k("requests", "p", "big")}{k("requests_note", "p", "sub")}'
-            f'{k("tokens_note", "p", "sub")}</article>'
-            f'<article class="card"><h2>Prefix breaks</h2>{k("breaks_total", "p", "big")}<p class="sub">since start, by reason below</p></article>'
-            "</section>"
-            '<section class="panel" aria-labelledby="chart-title">'
-            f'<h2 id="chart-title">Cache hit over time</h2>{k("chart_caption", "p", "sub")}'
-            '<div class="plot"><div class="yaxis" aria-hidden="true"><span>100 %</span><span>50 %</span><span>0 %</span></div>'
-            f'<svg class="chart" viewBox="0 0 {CHART_WIDTH} {CHART_HEIGHT}" preserveAspectRatio="none" role="img" '
-            'aria-label="Cache hit percentage over time, with requests as bars">'
-            f'<path class="grid" d="M0 0H{CHART_WIDTH}M0 25H{CHART_WIDTH}M0 50H{CHART_WIDTH}M0 75H{CHART_WIDTH}M0 {CHART_HEIGHT}H{CHART_WIDTH}"/>'
-            f'<path class="bars" data-d="chart_bars" d="{_e(attrs.get("chart_bars", ""))}"/>'
-            f'<path class="line" data-d="chart_line" d="{_e(attrs.get("chart_line", ""))}"/>'
-            f'<path class="dots" data-d="chart_dots" d="{_e(attrs.get("chart_dots", ""))}"/>'
-            "</svg></div>"
-            f'<div class="xaxis" aria-hidden="true">{k("chart_start")}{k("chart_mid")}{k("chart_end")}</div>'
-            "</section>"
-        )
+        top = _operator_cards(slots) + _chart(slots)
         breaks_title = "Prefix breaks by reason (since start)"
     else:
-        cards = (
-            '<section class="cards" aria-label="Your sessions">'
-            f'<article class="card"><h2>Your sessions</h2>{k("mine_sessions", "p", "big")}{k("mine_turns", "p", "sub")}</article>'
-            f'<article class="card"><h2>Cache hit</h2>{k("mine_hit", "p", "big")}{k("mine_tokens", "p", "sub")}</article>'
-            f'<article class="card"><h2>Cost</h2>{k("mine_cost", "p", "big")}{k("mine_repaired", "p", "sub")}</article>'
-            "</section>"
-        )
+        top = _tenant_cards(slots)
         breaks_title = "Your prefix breaks by reason (located changes)"
+    return (
+        _head(slots, operator=operator, assets=assets, api=api, interval_ms=interval_ms)
+        + "<main>"
+        + top
+        + _panels(slots, breaks_title)
+        + "</main>"
+        + _footer()
+    )
 
+
+def _head(slots: _Slots, *, operator: bool, assets: Mapping[str, str], api: str, interval_ms: int) -> str:
+    """From the doctype to the page's title bar."""
+    k = slots.k
     return (
         "<!doctype html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
@@ -189,8 +179,64 @@ def render_page(view: Mapping[str, Any], *, operator: bool, assets: Mapping[str,
         '<header class="top"><h1>kvwarm</h1>'
         f'<p class="meta">{k("scope")} · {k("process")} · updated {k("generated")} '
         '<span class="status" id="status" role="status"></span></p></header>'
-        "<main>"
-        f"{cards}"
+    )
+
+
+def _operator_cards(slots: _Slots) -> str:
+    """The operator's cards: this process's totals."""
+    k = slots.k
+    text = slots.text
+    return (
+        '<section class="cards" aria-label="Totals of this process">'
+        f'<article class="card hit" data-tone-k="hit_tone" data-tone="{_e(text["hit_tone"])}">'
+        f'<h2>Cache hit</h2>{k("hit_total", "p", "big")}'
+        f'{k("hit_tokens", "p", "sub")}{k("hit_recent", "p", "sub")}</article>'
+        f'<article class="card"><h2>Rescued by repair</h2>{k("rescued", "p", "big")}{k("rescued_note", "p", "sub")}</article>'
+        f'<article class="card"><h2>Cost today</h2>{k("cost_today", "p", "big")}{k("cost_split", "p", "sub")}'
+        f'{k("today_since", "p", "sub")}{k("cost_note", "p", "sub warn")}</article>'
+        f'<article class="card"><h2>Requests</h2>{k("requests", "p", "big")}{k("requests_note", "p", "sub")}'
+        f'{k("tokens_note", "p", "sub")}</article>'
+        f'<article class="card"><h2>Prefix breaks</h2>{k("breaks_total", "p", "big")}<p class="sub">since start, by reason below</p></article>'
+        "</section>"
+    )
+
+
+def _chart(slots: _Slots) -> str:
+    """The cache hit % over time (the operator's): SVG paths the script re-binds."""
+    k = slots.k
+    attrs = slots.attrs
+    return (
+        '<section class="panel" aria-labelledby="chart-title">'
+        f'<h2 id="chart-title">Cache hit over time</h2>{k("chart_caption", "p", "sub")}'
+        '<div class="plot"><div class="yaxis" aria-hidden="true"><span>100 %</span><span>50 %</span><span>0 %</span></div>'
+        f'<svg class="chart" viewBox="0 0 {CHART_WIDTH} {CHART_HEIGHT}" preserveAspectRatio="none" role="img" '
+        'aria-label="Cache hit percentage over time, with requests as bars">'
+        f'<path class="grid" d="M0 0H{CHART_WIDTH}M0 25H{CHART_WIDTH}M0 50H{CHART_WIDTH}M0 75H{CHART_WIDTH}M0 {CHART_HEIGHT}H{CHART_WIDTH}"/>'
+        f'<path class="bars" data-d="chart_bars" d="{_e(attrs.get("chart_bars", ""))}"/>'
+        f'<path class="line" data-d="chart_line" d="{_e(attrs.get("chart_line", ""))}"/>'
+        f'<path class="dots" data-d="chart_dots" d="{_e(attrs.get("chart_dots", ""))}"/>'
+        "</svg></div>"
+        f'<div class="xaxis" aria-hidden="true">{k("chart_start")}{k("chart_mid")}{k("chart_end")}</div>'
+        "</section>"
+    )
+
+
+def _tenant_cards(slots: _Slots) -> str:
+    """A tenant's cards: its own sessions."""
+    k = slots.k
+    return (
+        '<section class="cards" aria-label="Your sessions">'
+        f'<article class="card"><h2>Your sessions</h2>{k("mine_sessions", "p", "big")}{k("mine_turns", "p", "sub")}</article>'
+        f'<article class="card"><h2>Cache hit</h2>{k("mine_hit", "p", "big")}{k("mine_tokens", "p", "sub")}</article>'
+        f'<article class="card"><h2>Cost</h2>{k("mine_cost", "p", "big")}{k("mine_repaired", "p", "sub")}</article>'
+        "</section>"
+    )
+
+
+def _panels(slots: _Slots, breaks_title: str) -> str:
+    """The breaks, the latest examples, the top sessions and the upstream pool."""
+    k, empty, lists = slots.k, slots.empty, slots.lists
+    return (
         '<section class="panel" aria-labelledby="breaks-title">'
         f'<h2 id="breaks-title">{_e(breaks_title)}</h2>'
         '<table class="rows"><thead><tr><th>Reason</th><th class="num">Count</th><th>Latest change</th></tr></thead>'
@@ -221,10 +267,15 @@ def render_page(view: Mapping[str, Any], *, operator: bool, assets: Mapping[str,
         '<th class="num">In flight</th><th class="num">Requests</th><th class="num">Ejections</th></tr></thead>'
         f'{_list("upstreams", lists["upstreams"], "tbody")}</table>'
         "</section>"
-        "</main>"
+    )
+
+
+def _footer() -> str:
+    return (
         '<footer><p>Numbers are this process\'s since it started (the same counters as '
         "<code>/metrics</code>). With several workers or replicas, each keeps its own counters, "
         "history and break examples, and this page shows the process that answered it (its pid is "
-        "at the top). Sessions come from the transcript store, shared when the store is.</p></footer>"
+        "at the top); <code>/metrics</code> adds up the workers of one <code>kvwarm serve</code>. "
+        "Sessions come from the transcript store, shared when the store is.</p></footer>"
         "</body></html>\n"
     )

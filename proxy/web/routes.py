@@ -158,6 +158,7 @@ async def _overview(request: web.Request, viewer: Viewer) -> dict[str, object]:
         now=now,
         pid=os.getpid(),
         version=__version__,
+        workers=settings.server.workers,
     )
 
 

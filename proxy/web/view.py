@@ -248,69 +248,26 @@ def _break_rows(breaks: Sequence[Mapping[str, Any]], examples: Sequence[Mapping[
     ]
 
 
+def _process_name(process: Mapping[str, Any]) -> str:
+    """``pid 123``, or with several workers ``worker 123 of 4``: the page shows the one that answered."""
+    workers = int(process.get("workers") or 1)
+    return f"worker {process['pid']} of {workers}" if workers > 1 else f"pid {process['pid']}"
+
+
 def build_view(overview: Mapping[str, Any]) -> dict[str, Any]:
     """The view of an overview (:func:`proxy.web.overview.build_overview`)."""
     now = float(overview["generated_at"])
     operator = overview["scope"] == "all"
-    process = overview["process"]
-    who = {"loopback": "operator on this host", "admin-token": "admin token", "tenant": "your API key"}
-    text: dict[str, str] = {
-        "scope": ("all tenants" if operator else "your sessions only") + f" · {who.get(overview['access'], overview['access'])}",
-        "process": f"pid {process['pid']} · up {fmt_duration(process['uptime_seconds'])}",
-        "generated": time.strftime("%H:%M:%S UTC", time.gmtime(now)),
-        "session_count": f"{fmt_count(overview['session_count'])} in the store",
-    }
     upstreams = overview["upstreams"]
-    if len(upstreams) == 1:
-        text["upstream"] = f"one upstream: {upstreams[0]['url']}"
-    else:
-        healthy = sum(1 for u in upstreams if u["state"] == "healthy")
-        text["upstream"] = (
-            f"{len(upstreams)} replicas, {healthy} healthy · "
-            f"{_POLICY_TEXT.get(str(overview.get('routing')), str(overview.get('routing')))}"
-        )
-    totals = overview.get("totals")
-    if totals is not None:
-        recent, today = overview["recent"], overview["today"]
-        unpriced = int(today["unpriced_requests"])
-        failed = int(totals["requests_failed"])
-        text.update(
-            {
-                "hit_total": fmt_pct(totals["hit_pct"]),
-                "hit_tone": _tone(totals["hit_pct"]),
-                "hit_tokens": f"{fmt_count(totals['cached_tokens'])} of {fmt_count(totals['cache_known_tokens'])} prompt tokens cached",
-                "hit_recent": (
-                    f"{fmt_pct(recent['hit_pct'])} in the last {recent['minutes']} min"
-                    if recent["hit_pct"] is not None
-                    else f"no cache data in the last {recent['minutes']} min"
-                ),
-                "tokens_note": f"{fmt_count(totals['prompt_tokens'])} prompt · {fmt_count(totals['completion_tokens'])} completion tokens",
-                "rescued": fmt_count(totals["rescued_tokens"]),
-                "rescued_note": f"prompt tokens kept cacheable by {fmt_count(totals['repairs'])} repairs",
-                "cost_today": fmt_usd(today["cost_billed_usd"] + today["cost_estimated_usd"]),
-                "cost_split": f"billed {fmt_usd(today['cost_billed_usd'])} · estimated {fmt_usd(today['cost_estimated_usd'])}",
-                "cost_note": f"{unpriced} unpriced request{'s' if unpriced != 1 else ''} not included" if unpriced else "",
-                "requests": fmt_count(totals["requests"]),
-                "requests_note": f"{fmt_count(today['requests'])} today · {failed} not 2xx",
-                "breaks_total": fmt_count(totals["breaks"]),
-                "today_since": time.strftime("since %H:%M %Z", time.localtime(float(today["since"]))),
-            }
-        )
+    text = _header_text(overview, operator, now)
+    text["upstream"] = _upstream_text(upstreams, overview.get("routing"))
+    attrs: dict[str, str] = {}
+    if overview.get("totals") is not None:
+        text.update(_process_text(overview))
         text.update(_chart_text(overview["history"]))
         attrs = chart_paths(overview["history"]["buckets"])
     else:
-        mine = overview["mine"]
-        text.update(
-            {
-                "mine_sessions": fmt_count(mine["sessions"]),
-                "mine_turns": f"{fmt_count(mine['turns'])} turns",
-                "mine_hit": fmt_pct(mine["hit_pct"]),
-                "mine_tokens": f"{fmt_count(mine['cached_tokens'])} of {fmt_count(mine['prompt_tokens'])} prompt tokens cached",
-                "mine_cost": fmt_usd(mine["cost_usd"]),
-                "mine_repaired": f"{fmt_count(mine['repaired'])} messages repaired",
-            }
-        )
-        attrs = {}
+        text.update(_mine_text(overview["mine"]))
     examples = overview["examples"]
     lists = {
         "breaks": _break_rows(overview["breaks"], examples),
@@ -319,3 +276,62 @@ def build_view(overview: Mapping[str, Any]) -> dict[str, Any]:
         "upstreams": _upstream_rows(upstreams) if len(upstreams) > 1 else [],
     }
     return {"text": text, "attrs": attrs, "lists": lists}
+
+
+def _header_text(overview: Mapping[str, Any], operator: bool, now: float) -> dict[str, str]:
+    """Who is looking, which process answered, when; the store's session count."""
+    process = overview["process"]
+    who = {"loopback": "operator on this host", "admin-token": "admin token", "tenant": "your API key"}
+    return {
+        "scope": ("all tenants" if operator else "your sessions only") + f" · {who.get(overview['access'], overview['access'])}",
+        "process": f"{_process_name(process)} · up {fmt_duration(process['uptime_seconds'])}",
+        "generated": time.strftime("%H:%M:%S UTC", time.gmtime(now)),
+        "session_count": f"{fmt_count(overview['session_count'])} in the store",
+    }
+
+
+def _upstream_text(upstreams: Sequence[Mapping[str, Any]], routing: object) -> str:
+    """One upstream, or the pool: its size, how many are healthy, and its routing policy."""
+    if len(upstreams) == 1:
+        return f"one upstream: {upstreams[0]['url']}"
+    healthy = sum(1 for u in upstreams if u["state"] == "healthy")
+    return f"{len(upstreams)} replicas, {healthy} healthy · {_POLICY_TEXT.get(str(routing), str(routing))}"
+
+
+def _process_text(overview: Mapping[str, Any]) -> dict[str, str]:
+    """The operator's cards: this process's totals, the last minutes, today."""
+    totals, recent, today = overview["totals"], overview["recent"], overview["today"]
+    unpriced = int(today["unpriced_requests"])
+    failed = int(totals["requests_failed"])
+    return {
+        "hit_total": fmt_pct(totals["hit_pct"]),
+        "hit_tone": _tone(totals["hit_pct"]),
+        "hit_tokens": f"{fmt_count(totals['cached_tokens'])} of {fmt_count(totals['cache_known_tokens'])} prompt tokens cached",
+        "hit_recent": (
+            f"{fmt_pct(recent['hit_pct'])} in the last {recent['minutes']} min"
+            if recent["hit_pct"] is not None
+            else f"no cache data in the last {recent['minutes']} min"
+        ),
+        "tokens_note": f"{fmt_count(totals['prompt_tokens'])} prompt · {fmt_count(totals['completion_tokens'])} completion tokens",
+        "rescued": fmt_count(totals["rescued_tokens"]),
+        "rescued_note": f"prompt tokens kept cacheable by {fmt_count(totals['repairs'])} repairs",
+        "cost_today": fmt_usd(today["cost_billed_usd"] + today["cost_estimated_usd"]),
+        "cost_split": f"billed {fmt_usd(today['cost_billed_usd'])} · estimated {fmt_usd(today['cost_estimated_usd'])}",
+        "cost_note": f"{unpriced} unpriced request{'s' if unpriced != 1 else ''} not included" if unpriced else "",
+        "requests": fmt_count(totals["requests"]),
+        "requests_note": f"{fmt_count(today['requests'])} today · {failed} not 2xx",
+        "breaks_total": fmt_count(totals["breaks"]),
+        "today_since": time.strftime("since %H:%M %Z", time.localtime(float(today["since"]))),
+    }
+
+
+def _mine_text(mine: Mapping[str, Any]) -> dict[str, str]:
+    """A tenant's cards: the sum of its own sessions."""
+    return {
+        "mine_sessions": fmt_count(mine["sessions"]),
+        "mine_turns": f"{fmt_count(mine['turns'])} turns",
+        "mine_hit": fmt_pct(mine["hit_pct"]),
+        "mine_tokens": f"{fmt_count(mine['cached_tokens'])} of {fmt_count(mine['prompt_tokens'])} prompt tokens cached",
+        "mine_cost": fmt_usd(mine["cost_usd"]),
+        "mine_repaired": f"{fmt_count(mine['repaired'])} messages repaired",
+    }

@@ -1,6 +1,6 @@
 """``make bench``: run every benchmark, print the Markdown report, write ``tests/bench/latest.md``.
 
-``python -m tests.bench.run [--quick] [--peers] [--only proxy,core,store,routing]``
+``python -m tests.bench.run [--quick] [--peers] [--only proxy,core,store,routing,scale]``
 
 - ``--quick``: fewer samples and a smaller store (about a third of the time);
 - ``--peers``: add LiteLLM's proxy as a column of the proxy benchmark (installed into
@@ -19,11 +19,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.bench import core_responses, core_speed, proxy_latency, routing, store_flood, store_scale
+from tests.bench import (
+    core_responses,
+    core_speed,
+    proxy_latency,
+    routing,
+    scale,
+    store_flood,
+    store_scale,
+)
 from tests.bench.report import Section, machine_header
 
 REPORT = Path(__file__).resolve().parent / "latest.md"
-SECTIONS = ("proxy", "core", "responses", "store", "flood", "routing")
+SECTIONS = ("proxy", "core", "responses", "store", "flood", "routing", "scale")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         "flood": lambda: store_flood.run(args.quick),
         "store": lambda: store_scale.run(args.quick),
         "routing": lambda: routing.run(args.quick),
+        "scale": lambda: scale.run(args.quick),
     }
     started = time.perf_counter()
     parts = [machine_header(argv)]
