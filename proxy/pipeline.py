@@ -9,6 +9,15 @@ Enrichment stages fail open (:mod:`proxy.failopen`): an error while planning,
 observing or recording is logged and counted (``kvwarm_errors_total{stage}``) and
 the request proceeds with the client's original bytes. Only the upstream itself
 can fail a request. docs/ARCHITECTURE.md walks through this file.
+
+Before the response's last byte only what it needs is done: the plan (its headers and
+bytes), the relay, and the turn's write to the store. After it (at the end of the event
+loop's iteration, in batches with every request answered meanwhile): the metrics and the log
+line (:class:`~proxy.report.Reporter`), the token counts of the turn's small nodes when the
+store can fill them in later (the memory store; others count them inline; a large node is
+counted in a worker thread before the write), and the body's layout for the next turn: a
+conversation re-sent byte for byte is parsed and identified only past what it shares with
+its previous body (:mod:`proxy.core.prefix`).
 """
 
 from __future__ import annotations
@@ -24,35 +33,43 @@ from aiohttp import web
 
 from .config import Settings
 from .core.identity import IdentityMemo
-from .core.model import Node, TurnWrite
+from .core.model import Node, NodeReader, TurnWrite
 from .core.plan import TurnPlan, turn_write
 from .core.policy import Policy
+from .core.prefix import PrefixMemo, Recalled
 from .core.pricing import PriceTable, cost_of
-from .core.usage import Usage
 from .errors import ProxyError
 from .failopen import FailOpen
-from .guard import read_body
 from .metrics import ProxyMetrics
 from .relay import RelayOutcome, relay
 from .report import Answer, BreakSink, Reporter, visibility_headers
 from .routing import Lease, Replica, Route, Router
 from .store.base import AsyncStore
+from .store.local import LocalStore
 from .tenancy import TenantRoots
 from .tokens import TokenCounter
 from .upstream import Upstream, forward_request_headers
-from .wire.base import KEEP, Outgoing, Verdict, Wire
+from .wire.base import Outgoing, Untouched, Wire
 from .wire.chat import ChatWire
 from .wire.responses import ResponsesWire
 
 log = logging.getLogger(__name__)
 
 INLINE_TOKENIZE_BYTES = 4096
-"""New node bodies up to this many bytes in all are tokenized on the event loop (~0.1 ms);
-larger ones in a worker thread."""
+"""New node bodies up to this many bytes in all are tokenized on the event loop (~0.1 ms), after
+the response when the store can fill counts in later; larger ones in a worker thread, before
+the turn is written."""
+LATER = -2
+"""The token count of a node written uncounted, filled in after the response."""
 FILL_ROUNDS = 3
 """Most round trips to a shared store while planning one request."""
 
 WIRES: tuple[Wire, ...] = (ChatWire(), ResponsesWire())
+RESENT_WIRES = frozenset(("chat",))
+"""Wire APIs whose plan identifies the body's own ``messages``: their bodies are remembered for
+the next turn (:mod:`proxy.core.prefix`). The Responses front-end plans a view of its items."""
+Scope = tuple[bytes, str, str]
+"""(tenant root, method, path): where a remembered body may be continued."""
 
 
 class Pipeline:
@@ -82,30 +99,42 @@ class Pipeline:
         )
         self.tenants = TenantRoots(store.secret(), settings.store.tenant_header)
         self.memo = IdentityMemo()
+        self.resent = PrefixMemo(self.memo)
+        """Each tenant's recent bodies: a re-sent conversation is parsed only past what it shares."""
+        self._counting: dict[bytes, asyncio.Future[int]] = {}
+        """Node key -> its token count being computed in a worker thread by some request."""
+        self._fill_later = isinstance(store, LocalStore) and store.fills_tokens
+        """Small nodes are written uncounted and counted after the response, in batches."""
+        self._uncounted: dict[bytes, bytes] = {}
+        """Key -> body of the nodes written uncounted, until :meth:`count_uncounted` runs."""
         self.router = Router(settings.routing, upstream.senders, metrics)
         """Which replica takes each request; each replica keeps its own traits (:mod:`proxy.traits`)."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         guard = FailOpen(self.metrics.error)
-        with self.metrics.inflight():
-            raw = await read_body(request, self.settings.server)
-            wire, body = None, None
+        inflight = self.metrics.inflight_requests
+        inflight.inc()
+        try:
+            raw = await request.read()  # read by the guard middleware, within its size and time limits
+            scope: Scope = (self.tenants.of(request.headers), request.method, request.path)
+            wire, body, recalled = None, None, None
             with guard("parse"):
-                wire, body = self.parse(request, raw)
+                wire, body, recalled = self.parse(request, raw, scope)
             if wire is None or body is None:
                 return await self.passthrough(request, raw)
             answer = Answer(failed=guard.failed)
             plan: TurnPlan | None = None
             try:
-                plan = await self.plan(request, wire, raw, body, guard)
+                plan = await self.plan(wire, raw, body, scope[0], guard)
                 route = self.router.route(plan, body, guard)
 
                 def outgoing(replica: Replica) -> Outgoing:  # the bytes depend on the replica's traits
                     out = Outgoing(raw, False)
                     with guard("repair"):
                         out = wire.outgoing(raw, body, plan, replica.traits)
-                    return replace(out, body=route.keyed(out.body))
+                    keyed = route.keyed(out.body)
+                    return out if keyed is out.body else replace(out, body=keyed)
 
                 lease = await self.send(request, route, outgoing, answer, started)
                 observer = wire.observer(lease.outgoing, lease.replica.traits, guard, success=_ok(answer.status))
@@ -121,26 +150,47 @@ class Pipeline:
                 async with lease:
                     return await relay(request, lease.response, lease.sender, visibility_headers(plan), observer, finish)
             finally:
+                duration = time.perf_counter() - started
+                # After the response (the end of this loop iteration), before the client's next turn.
+                asyncio.get_running_loop().call_soon(self.remember, scope, wire, raw, body, plan, recalled, guard)
                 with guard("report"):
-                    self.reporter.report(
-                        wire.name, _model(body), body.get("stream") is True, plan, answer, time.perf_counter() - started
-                    )
+                    self.reporter.report(wire.name, _model(body), body.get("stream") is True, plan, answer, duration)
+        finally:
+            inflight.dec()
 
     # -- the stages ---------------------------------------------------------------------------
 
-    def parse(self, request: web.Request, raw: bytes) -> tuple[Wire | None, dict[str, Any] | None]:
-        """The wire API that understands this request, and its parsed body."""
+    def parse(
+        self, request: web.Request, raw: bytes, scope: Scope
+    ) -> tuple[Wire | None, dict[str, Any] | None, Recalled | None]:
+        """The wire API that understands this request, and its parsed body: a conversation that
+        continues one of the tenant's recent bodies is parsed only past what they share."""
+        recalled = self.resent.recall(scope, raw)
+        if recalled is not None:
+            return recalled.tag, recalled.body, recalled
         for wire in WIRES:
             body = wire.parse(request.method, request.path, raw)
             if body is not None:
-                return wire, body
-        return None, None
+                return wire, body, None
+        return None, None, None
 
-    async def plan(
-        self, request: web.Request, wire: Wire, raw: bytes, body: dict[str, Any], guard: FailOpen
-    ) -> TurnPlan:
+    def remember(
+        self,
+        scope: Scope,
+        wire: Wire,
+        raw: bytes,
+        body: dict[str, Any],
+        plan: TurnPlan | None,
+        recalled: Recalled | None,
+        guard: FailOpen,
+    ) -> None:
+        """Keep the body, where its messages are and what they are, for the tenant's next turn."""
+        if plan is not None and plan.match is not None and wire.name in RESENT_WIRES:
+            with guard("identify"):
+                self.resent.remember(scope, raw, body, plan.match, recalled, tag=wire)
+
+    async def plan(self, wire: Wire, raw: bytes, body: dict[str, Any], root: bytes, guard: FailOpen) -> TurnPlan:
         """Plan against the store's view; a shared store is filled (bounded rounds, within budget) and planned again."""
-        root = self.tenants.of(request.headers)
         view = self.store.view(root)
         plan = wire.plan(raw, body, root, view, self.policy, self.memo, guard)
         if view.missing or (self.store.shared and plan.match is not None):
@@ -154,7 +204,7 @@ class Pipeline:
                         plan = wire.plan(raw, body, root, view, self.policy, self.memo, guard)
                         if not view.missing:
                             break
-        return plan
+        return self.exact_rescue(plan, view) if self._fill_later else plan
 
     async def send(
         self, request: web.Request, route: Route, outgoing: Callable[[Replica], Outgoing], answer: Answer, started: float
@@ -174,7 +224,7 @@ class Pipeline:
         """A request no wire API understands: forwarded and relayed untouched, not observed."""
         lease = await self.send(request, self.router.route(None), lambda _: Outgoing(raw, False), Answer(), time.perf_counter())
         async with lease:
-            return await relay(request, lease.response, lease.sender, {}, _Untouched(), lease.done)
+            return await relay(request, lease.response, lease.sender, {}, Untouched(), lease.done)
 
     async def record(self, plan: TurnPlan | None, body: dict[str, Any], answer: Answer, guard: FailOpen) -> None:
         """Price the turn and store it, before the response's last bytes go out."""
@@ -189,58 +239,123 @@ class Pipeline:
             turn = turn_write(
                 plan, answer.reply, usage, answer.cost,
                 model=_model(body), client_gone=answer.client_gone, now=time.time(),
+                count_tokens=_TokenBudget(self.tokens.count_body, INLINE_TOKENIZE_BYTES, later=self._fill_later),
             )
         if turn is None:
             return
         with guard("record"):
-            turn = await self.count_tokens(turn)
-        # A local store's write is in-memory bookkeeping (a failure is the record's); a shared
-        # store may be slow or gone (a failure is the store's).
-        with guard("store" if self.store.shared else "record"):
+            turn = await self.count_large(turn)
+        if not self.store.shared:
+            # A local store's write is in-memory bookkeeping that never waits: a failure is the record's.
+            with guard("record"):
+                await self.store.write_turn(turn)
+                self.count_after(turn)
+            return
+        with guard("store"):  # a shared store may be slow or gone
             async with asyncio.timeout(self.settings.store.timeout):
                 await self.store.write_turn(turn)
 
-    async def count_tokens(self, turn: TurnWrite) -> TurnWrite:
-        """Token counts of the turn's new nodes (their drafts carry byte lengths); a node the view
-        already holds keeps its count. A local store gets only the nodes it lacks; a shared one all
-        of them (its process cache may hold nodes the server lost: insert-if-absent sorts it out)."""
+    async def count_large(self, turn: TurnWrite) -> TurnWrite:
+        """Token counts of the nodes left uncounted (-1) past the inline budget: a first turn's
+        system prompt, a large tool result. CPU work, in a worker thread; a node that is stored
+        already, or that another request is counting now (parallel requests of one new
+        conversation), is counted once."""
+        later = [n for n in turn.nodes if n.tokens == -1]
+        if not later:
+            return turn
         view = self.store.view(turn.tenant)
-        known = {n.key: view.get(n.key) for n in turn.nodes}
-        new = [n for n in turn.nodes if known[n.key] is None]
-        # CPU work: inline for a typical turn's few small messages, in a worker thread for a
-        # first turn or a resume.
-        if not new:
-            counted: list[Node] = []
-        elif sum(n.tokens for n in new) <= INLINE_TOKENIZE_BYTES:
-            counted = self._count(new)
-        else:
-            counted = await asyncio.to_thread(self._count, new)
-        if not self.store.shared:
-            return replace(turn, nodes=tuple(counted))
-        fresh = {n.key: n for n in counted}
-        return replace(turn, nodes=tuple(known[n.key] or fresh[n.key] for n in turn.nodes))
+        counts: dict[bytes, int] = {}
+        waits: dict[bytes, asyncio.Future[int]] = {}
+        mine: list[Node] = []
+        for node in later:
+            stored = view.get(node.key)
+            if stored is not None and stored.tokens >= 0:
+                counts[node.key] = stored.tokens
+            elif node.key in self._counting:
+                waits[node.key] = self._counting[node.key]
+            else:
+                mine.append(node)
+        if mine:
+            loop = asyncio.get_running_loop()
+            futures = {node.key: loop.create_future() for node in mine}
+            self._counting.update(futures)
+            try:
+                counted = await asyncio.to_thread(self._count, [node.body for node in mine])
+                counts.update(zip(futures, counted, strict=True))
+            finally:
+                for key, future in futures.items():
+                    future.set_result(counts.get(key, -1))  # -1: failed, a waiter counts it itself
+                    del self._counting[key]
+        for key, future in waits.items():
+            counts[key] = await asyncio.shield(future)
+        missing = [node for node in later if counts.get(node.key, -1) < 0]
+        if missing:
+            counts.update(zip((n.key for n in missing), await asyncio.to_thread(self._count, [n.body for n in missing]), strict=True))
+        return replace(turn, nodes=tuple(_with_tokens(n, counts[n.key]) if n.tokens == -1 else n for n in turn.nodes))
 
-    def _count(self, nodes: list[Node]) -> list[Node]:
+    def _count(self, bodies: list[bytes]) -> list[int]:
         count = self.tokens.count_body
-        return [replace(n, tokens=count(n.body)) for n in nodes]
+        return [count(body) for body in bodies]
+
+    def count_after(self, turn: TurnWrite) -> None:
+        """Count the turn's nodes written uncounted after the response (the end of this loop
+        iteration), with those of every other request answered meanwhile."""
+        later = {n.key: n.body for n in turn.nodes if n.tokens == LATER}
+        if not later:
+            return
+        if not self._uncounted:
+            asyncio.get_running_loop().call_soon(self.count_uncounted)
+        self._uncounted.update(later)
+
+    def count_uncounted(self) -> None:
+        """Fill in the token counts of the nodes written uncounted so far."""
+        pending, self._uncounted = self._uncounted, {}
+        if pending and isinstance(self.store, LocalStore):
+            with FailOpen(self.metrics.error)("record"):
+                count = self.tokens.count_body
+                self.store.fill_tokens({key: count(body) for key, body in pending.items()})
+
+    def exact_rescue(self, plan: TurnPlan, view: NodeReader) -> TurnPlan:
+        """A repaired plan whose rescued tokens count nodes written uncounted (a turn answered in
+        this very loop iteration) gets them counted: ``rescued_tokens`` is exact."""
+        repair, match = plan.repair, plan.match
+        if not repair.repairs or match is None:
+            return plan
+        nodes = match.nodes[min(r.depth for r in repair.repairs) :]
+        if all(n.tokens >= 0 for n in nodes):
+            return plan
+        self.count_uncounted()
+        total = 0
+        for node in nodes:
+            stored = view.get(node.key) if node.tokens < 0 else node
+            total += stored.tokens if stored is not None and stored.tokens >= 0 else self.tokens.count_body(node.body)
+        return replace(plan, repair=replace(repair, rescued_tokens=total))
 
 
-class _Untouched:
-    """The observer of a response kvwarm does not read."""
+def _with_tokens(node: Node, tokens: int) -> Node:
+    return Node(
+        node.key, node.parent, node.tenant, node.depth, node.role, node.identity, node.body,
+        tokens, node.generated, node.partial, node.created,
+    )
 
-    usage: Usage | None = None
 
-    def on_event(self, event: object) -> Verdict:
-        return KEEP
+class _TokenBudget:
+    """Token counts while the bodies counted stay within ``budget`` bytes in all: on the event
+    loop, or with ``later`` :data:`LATER` (counted after the response); -1 beyond (counted in a
+    worker thread before the turn is written)."""
 
-    def is_terminal(self, event: object) -> bool:
-        return False
+    __slots__ = ("_count", "_later", "_left")
 
-    def on_body(self, chunk: bytes) -> None:
-        return None
+    def __init__(self, count: Callable[[bytes], int], budget: int, *, later: bool) -> None:
+        self._count = count
+        self._left = budget
+        self._later = later
 
-    def end(self, *, client_gone: bool) -> None:
-        return None
+    def __call__(self, body: bytes) -> int:
+        self._left -= len(body)
+        if self._left < 0:
+            return -1
+        return LATER if self._later else self._count(body)
 
 
 def _ok(status: int | None) -> bool:

@@ -11,10 +11,17 @@ the request's frozen plan and its :class:`Answer`:
     The changed span by shape only, never the client's text.
 
 The log line carries no prompt text and no credential.
+
+The headers go out with the response; the rest of a request's report is written after it:
+:meth:`Reporter.report` queues it, and the queue is written at the end of the event loop's
+iteration (after the response's last byte), or by any read of the metrics first
+(:meth:`ProxyMetrics.flush` runs :meth:`Reporter.flush`), so a scrape right after a
+response sees it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -25,6 +32,7 @@ from .core.plan import TurnPlan
 from .core.pricing import Cost
 from .core.record import Reply
 from .core.usage import Usage
+from .failopen import FailOpen
 from .metrics import ProxyMetrics
 
 log = logging.getLogger("proxy.pipeline")
@@ -58,14 +66,48 @@ class BreakSink(Protocol):
     def note_break(self, tenant: bytes, reason: str, where: str, shape: str, hint: str, now: float) -> None: ...
 
 
+_Report = tuple[str, str, bool, "TurnPlan | None", Answer, float]
+"""(api, model, stream, plan, answer, duration) of one request, queued."""
+
+
 class Reporter:
-    """Writes the metrics and the log line of each request."""
+    """Writes the metrics and the log line of each request, after its response."""
 
     def __init__(self, metrics: ProxyMetrics, breaks: BreakSink | None = None) -> None:
         self.metrics = metrics
         self.breaks = breaks
+        self._count_error = metrics.error
+        """Counts a failed report (bound once: a report failure must not depend on what failed)."""
+        self._queue: list[_Report] = []
+        self._scheduled = False
+        metrics.before_flush(self.flush)
 
     def report(self, api: str, model: str, stream: bool, plan: TurnPlan | None, answer: Answer, duration: float) -> None:
+        """Queue one request's report (``answer`` is final); written at the end of this event-loop
+        iteration, at once when there is no running loop."""
+        self._queue.append((api, model, stream, plan, answer, duration))
+        if self._scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        loop.call_soon(self.flush)
+        self._scheduled = True
+
+    def flush(self) -> None:
+        """Write every queued report."""
+        self._scheduled = False
+        if not self._queue:
+            return
+        queue, self._queue = self._queue, []
+        guard = FailOpen(self._count_error)
+        for item in queue:
+            with guard("report"):
+                self._write(*item)
+
+    def _write(self, api: str, model: str, stream: bool, plan: TurnPlan | None, answer: Answer, duration: float) -> None:
         m = self.metrics
         m.observe_request(
             model=model, status=answer.status, stream=stream, duration=duration,

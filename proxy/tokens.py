@@ -20,7 +20,9 @@ class TokenCounter:
         self._enc = tiktoken.get_encoding(encoding)
 
     def count_text(self, text: str) -> int:
-        return len(self._enc.encode(text, disallowed_special=()))
+        # Special-token text counted as ordinary text, as ``encode(text, disallowed_special=())``
+        # does, without its Python-side checks.
+        return len(self._enc.encode_ordinary(text))
 
     def count_body(self, body: bytes) -> int:
         try:

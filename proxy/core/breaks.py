@@ -257,6 +257,19 @@ def _similarity(a: str, b: str) -> int:
     return p + _common_suffix(a, b, min(len(a), len(b)) - p)
 
 
+def _may_hold_reasoning(body: bytes) -> bool:
+    """Whether a stored body can have a reasoning key: one of their names (as a JSON string's
+    start), or any ``\\u`` escape (a key could be spelled with one). False is exact."""
+    # Substring searches run at memory speed; a regex alternation tries every quote in turn.
+    return (
+        b'"reasoning' in body
+        or b'"thinking' in body
+        or b'"thought_signature"' in body
+        or b'"encrypted_content"' in body
+        or b"\\u" in body
+    )
+
+
 def _load(node: Node) -> Any:
     try:
         return orjson.loads(node.body)
@@ -348,21 +361,32 @@ def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break 
     if k >= 2 and ident == match.identities[k - 1]:
         return Break("duplicate_replay", k, None)
 
-    loaded = [(c, _load(c)) for c in children]
     kind = _role_kind(role)
-    same_role = [(c, m) for c, m in loaded if _role_kind(c.role) == kind]
+    # Stored siblings are parsed only when a rule needs their bodies: a new turn under a busy
+    # prefix (thousands of sibling sessions) is told apart by roles and keys alone.
+    if kind == "system":
+        same_role = [c for c in children if _role_kind(c.role) == kind]
+    else:
+        same_role = [c for c in children if c.role == role]
 
-    bare = message_identity(_without_reasoning(msg), policy)
-    for _c, stored in same_role:
-        if message_identity(_without_reasoning(stored), policy) == bare:
-            return Break("reasoning_changed", k, None)
+    # A sibling without reasoning keys is compared only when the client's message has some: else
+    # both identities are computed from the same fields and the sibling's key would have matched.
+    check_all = type(msg) is dict and not REASONING_KEYS.isdisjoint(msg)
+    bare = message_identity(_without_reasoning(msg), policy) if check_all else ident
+    if check_all or _may_hold_reasoning(b"\x00".join([c.body for c in same_role])):
+        for c in same_role:
+            if check_all or _may_hold_reasoning(c.body):
+                if message_identity(_without_reasoning(_load(c)), policy) == bare:
+                    return Break("reasoning_changed", k, None)
 
-    same_elsewhere = store.by_identity(match.root, ident)[-_MAX_DEEPER:]
+    same_all = store.by_identity(match.root, ident)
+    same_elsewhere = same_all[-_MAX_DEEPER:]
     if k == 1 and _continues_deeper(store, match, k, same_elsewhere):
         # The request's first message sits deeper in a stored chain: the head was cut off.
         return Break("truncated_head", k, None)
 
-    if any(store.get(chain(c.key, ident)) is not None for c in children) or _descends(
+    # A grandchild with this identity is among the tenant's nodes of this identity: none, no probe.
+    if (same_all and any(store.get(chain(c.key, ident)) is not None for c in children)) or _descends(
         store, same_elsewhere, parent, k - 1
     ):
         return Break("message_removed", k, None)
@@ -378,12 +402,13 @@ def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break 
         # its siblings say, nothing after it could have been cached. A new turn, not a break.
         return Break("new_branch", k, None)
 
+    loaded = [(c, _load(c)) for c in same_role]
     if kind == "system":
-        a, b = _diff_texts(msg, _closest(msg, same_role))
+        a, b = _diff_texts(msg, _closest(msg, loaded))
         return Break("system_changed", k, span_of(a, b, k))
 
-    if role == "assistant" and any(c.generated for c, _m in same_role):
+    if role == "assistant" and any(c.generated for c in same_role):
         return Break("assistant_modified", k, None)
 
-    a, b = _diff_texts(msg, _closest(msg, same_role))
+    a, b = _diff_texts(msg, _closest(msg, loaded))
     return Break("content_changed", k, span_of(a, b, k))

@@ -39,6 +39,7 @@ from .policy import PIN_MASK, Policy
 __all__ = [
     "RAW_ARGUMENTS",
     "REASONING_KEYS",
+    "Held",
     "IdentityMemo",
     "canonical_arguments",
     "canonical_message",
@@ -387,6 +388,27 @@ def canonical_message(msg: Mapping[str, Any], policy: Policy | None = None) -> d
 # -- identities ------------------------------------------------------------------------------
 
 
+class Held:
+    """A parsed element (a message, or a tools array) the prefix memo keeps for re-sent bodies,
+    with what was computed from it: its identity, and the last chain step taken from it."""
+
+    __slots__ = ("dumped", "identity", "key", "obj", "parent", "refs", "size")
+
+    def __init__(self, obj: Any, identity: bytes, size: int, dumped: bytes | None) -> None:
+        self.obj = obj
+        """The object itself: held, so its ``id`` stays its own; never mutated (the core reads bodies only)."""
+        self.identity = identity
+        self.size = size
+        """Its clean size (see :func:`identify_message`), -1 when it needed normalization."""
+        self.dumped = dumped
+        """``orjson.dumps(obj)`` when it needed normalization (repair compares those bytes), else None."""
+        self.parent: bytes | None = None
+        self.key: bytes | None = None
+        """``key == chain(parent, identity)``, the chain step last taken from this element."""
+        self.refs = 0
+        """How many remembered bodies hold it."""
+
+
 class IdentityMemo:
     """Identities of message serializations seen recently: exact bytes -> ``(identity, clean size)``.
 
@@ -404,13 +426,16 @@ class IdentityMemo:
     again and again is not).
     """
 
-    __slots__ = ("_entries", "_size", "_tools", "_tools_size", "max_bytes")
+    __slots__ = ("_entries", "_objects", "_size", "_tools", "_tools_size", "max_bytes")
 
     ENTRY_OVERHEAD = 256
     """Bytes per entry beyond its key's length, measured on CPython 3.11: the key's ``bytes``
     header (33, rounded with the data to pymalloc's 16-byte classes: counted apart), the value
     tuple (56 -> 64), the 16-byte identity (49 -> 64), the clean size (an int, 28 -> 32) and the
     dict entry (60-120 under churn: 96)."""
+    HELD_OVERHEAD = 240
+    """Bytes per held object beyond the object: the :class:`Held` (96), the dict entry (96), the
+    ``id`` int (32), a share of the keys (interned with the match's)."""
     TOOLS_ENTRY_OVERHEAD = 160
     """Bytes per tool set beyond its key's length: the identity (64) and the dict entry (96)."""
     MAX_TOOL_SETS = 256
@@ -424,6 +449,9 @@ class IdentityMemo:
         """Accounted bytes of both memos."""
         self._tools: dict[bytes, bytes] = {}
         self._tools_size = 0
+        self._objects: dict[int, Held] = {}
+        """``id(obj)`` -> the object a remembered body holds (:mod:`proxy.core.prefix`): a re-sent
+        body's shared messages are those very objects, recognised without serializing them."""
 
     @staticmethod
     def _held(length: int) -> int:
@@ -433,6 +461,9 @@ class IdentityMemo:
     def tools_identity(self, tools: Any) -> bytes:
         """:func:`tools_identity`, remembered by the exact bytes of the array (agents send the
         same tools every turn)."""
+        held = self._objects.get(id(tools))
+        if held is not None and held.obj is tools:
+            return held.identity
         try:
             data = orjson.dumps(tools)
         except TypeError:
@@ -460,6 +491,29 @@ class IdentityMemo:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    # -- held objects ---------------------------------------------------------------------------
+
+    def held(self, obj: Any) -> Held | None:
+        """What is known of ``obj`` when a remembered body holds it; else None."""
+        held = self._objects.get(id(obj))
+        return held if held is not None and held.obj is obj else None
+
+    def hold(self, obj: Any, identity: bytes, size: int, dumped: bytes | None = None) -> Held:
+        """Keep ``obj`` (one more reference) with its identity; returns its record."""
+        held = self._objects.get(id(obj))
+        if held is None or held.obj is not obj:
+            held = self._objects[id(obj)] = Held(obj, identity, size, dumped if size < 0 else None)
+        held.refs += 1
+        return held
+
+    def release(self, obj: Any) -> None:
+        """One reference to ``obj`` less; forgotten with the last."""
+        held = self._objects.get(id(obj))
+        if held is not None and held.obj is obj:
+            held.refs -= 1
+            if held.refs <= 0:
+                del self._objects[id(obj)]
 
     def get(self, data: bytes) -> tuple[bytes, int] | None:
         return self._entries.get(data)
@@ -498,6 +552,7 @@ def identify_messages(
     """Identities of ``messages`` and their clean sizes (see :func:`identify_message`), in one pass.
 
     The loop is the hot path of every request, so the common shapes are handled inline:
+    a message object a remembered body holds (:meth:`IdentityMemo.held`) costs a dict lookup;
     a message whose exact bytes are in ``memo`` costs one unsorted ``orjson.dumps`` and a
     dict lookup; a clean message is hashed from ``orjson.dumps(msg, OPT_SORT_KEYS)``; one
     whose only drift-prone field is edge whitespace of a string ``content`` from the same
@@ -512,7 +567,16 @@ def identify_messages(
     keep = dumped.append if dumped is not None else None
     dumps = orjson.dumps
     lookup = memo._entries.get
+    held = memo._objects.get
     for msg in messages:
+        known = held(id(msg))
+        if known is not None and known.obj is msg:
+            # A message of a remembered body, re-sent byte for byte: the very object.
+            ids.append(known.identity)
+            sizes.append(known.size)
+            if keep is not None:
+                keep(known.dumped)
+            continue
         try:
             data: bytes | None = dumps(msg)
         except TypeError:

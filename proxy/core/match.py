@@ -58,6 +58,13 @@ class Match:
     Lets repair prove "unchanged" without serializing the element again."""
     dumped: tuple[bytes | None, ...] = ()
     """Per forwarded element (when an identity memo was used): its ``orjson.dumps`` bytes, or None."""
+    message_ids: tuple[bytes, ...] = ()
+    """Per *request* message (the client's order, collapsed duplicates included): its identity."""
+    message_sizes: tuple[int, ...] = ()
+    """Per request message: its clean size (see ``clean_sizes``)."""
+    message_dumped: tuple[bytes | None, ...] = ()
+    """Per request message (when an identity memo was used): its ``orjson.dumps`` bytes, or None
+    (also for a message the memo recognised as an object it holds)."""
 
     @property
     def matched_messages(self) -> int:
@@ -197,9 +204,15 @@ def match_request(
 
     get = store.get
     blake2b = hashlib.blake2b
+    # Elements of a remembered body (:mod:`proxy.core.prefix`) carry their last chain step.
+    held = memo._objects.get if memo is not None else None
     tools = body.get("tools")
     tools_id = memo.tools_identity(tools) if memo is not None else tools_identity(tools)
-    parent = blake2b(root + tools_id, digest_size=16).digest()
+    step = held(id(tools)) if held is not None else None
+    if step is not None and step.obj is tools and step.parent == root and step.key is not None:
+        parent = step.key
+    else:
+        parent = blake2b(root + tools_id, digest_size=16).digest()
     node = get(parent)
     matching = node is not None
     keys = [parent]
@@ -223,7 +236,11 @@ def match_request(
         ):
             i += 1
             continue
-        key = blake2b(parent + ident, digest_size=16).digest()
+        step = held(id(messages[i])) if held is not None else None
+        if step is not None and step.obj is messages[i] and step.parent == parent and step.key is not None:
+            key = step.key
+        else:
+            key = blake2b(parent + ident, digest_size=16).digest()
         if matching:
             node = get(key)
             if node is not None:
@@ -252,6 +269,9 @@ def match_request(
         policy=policy,
         clean_sizes=(-1, *[sizes[r] for r in order]),
         dumped=(None, *[dumped[r] for r in order]) if dumped is not None else (),
+        message_ids=tuple(msg_ids),
+        message_sizes=tuple(sizes),
+        message_dumped=tuple(dumped) if dumped is not None else (),
     )
 
 
@@ -286,9 +306,13 @@ def new_nodes(
     elements = forwarded_elements(match, forwarded)
     out: list[Node] = []
     root = match.root
+    # Past the matched prefix the forwarded elements are the client's own (repair stops there):
+    # the bytes identification serialized are theirs.
+    dumped = match.dumped
     for depth in range(match.matched, len(match.keys)):
         element = elements[depth]
-        body = tight(orjson.dumps(element))
+        data = dumped[depth] if depth < len(dumped) else None
+        body = data if data is not None else tight(orjson.dumps(element))
         role = ROLE_TOOLS if depth == 0 else _role(element)
         out.append(
             Node(

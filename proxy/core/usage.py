@@ -66,7 +66,7 @@ def extract_usage(obj: Mapping[str, Any]) -> Usage | None:
     Returns ``None`` when ``obj`` carries no usage at all (no readable count,
     no billed cost, no timings).
     """
-    if not isinstance(obj, Mapping):
+    if type(obj) is not dict and not isinstance(obj, Mapping):
         return None
     usage = _mapping(obj.get("usage"))
     openhuman = _mapping(obj.get("openhuman"))
@@ -223,6 +223,8 @@ def _later(a: _T | None, b: _T | None) -> _T | None:
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:
+    if type(value) is dict:  # what orjson gives: no ABC check on every response
+        return value
     return value if isinstance(value, Mapping) else _EMPTY
 
 
@@ -231,6 +233,10 @@ _EMPTY: Mapping[str, Any] = {}
 
 def _count(value: Any) -> int | None:
     """A token count: a non-negative integer (an integral float is accepted), else None."""
+    if value is None:
+        return None
+    if type(value) is int:
+        return value if value >= 0 else None
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -248,7 +254,7 @@ def _usd(value: Any) -> float | None:
 
 
 def _timings(value: Any) -> dict[str, float]:
-    if not isinstance(value, Mapping):
+    if value is None or not isinstance(value, Mapping):
         return {}
     out: dict[str, float] = {}
     for key, item in value.items():

@@ -6,7 +6,7 @@ A local store holds its whole index in memory, so its view is the store itself
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .base import (
     Lookups,
@@ -18,6 +18,7 @@ from .base import (
     TranscriptStore,
     TurnWrite,
 )
+from .memory import MemoryStore
 
 __all__ = ["LocalStore"]
 
@@ -46,6 +47,9 @@ class LocalStore:
         self.local = store
         """The wrapped store (tests and the CLI read it directly)."""
         self._view = _CompleteView(store)
+        self.fills_tokens = isinstance(store, MemoryStore) and store.fills_tokens
+        """Nodes may be written uncounted and their token counts filled in after the response
+        (:meth:`fill_tokens`): the memory backend, or one that persists the fill."""
 
     async def open(self) -> None:
         await self.local.open()
@@ -70,8 +74,16 @@ class LocalStore:
         if turn.nodes:
             store.insert(turn.nodes)
         store.touch(turn.path, turn.now)
-        previous = next((k for k in reversed(turn.path) if store.totals(k) is not None), None)
+        if isinstance(store, MemoryStore):  # memory and sqlite: a lookup per key, no copies
+            previous = store.last_session(turn.path)
+        else:
+            previous = next((k for k in reversed(turn.path) if store.totals(k) is not None), None)
         store.add_turn(turn.leaf, previous if previous != turn.leaf else None, turn.totals)
+
+    def fill_tokens(self, counts: Mapping[bytes, int]) -> int:
+        """Token counts of nodes written uncounted (see :attr:`fills_tokens`); 0 when unsupported."""
+        store = self.local
+        return store.fill_tokens(counts) if isinstance(store, MemoryStore) and self.fills_tokens else 0
 
     async def insert(self, nodes: Sequence[Node]) -> int:
         return self.local.insert(nodes)

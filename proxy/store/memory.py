@@ -25,8 +25,9 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from .base import Node, SessionInfo, SessionTotals, StoreStats
 from .memory_costs import (
@@ -178,6 +179,33 @@ class MemoryStore:
             if hook is not None:
                 hook(key, now)
 
+    @property
+    def fills_tokens(self) -> bool:
+        """Token counts of stored nodes may be filled in later (:meth:`fill_tokens`): this store
+        keeps them (memory), or persists the fill (a backend that implements ``_on_tokens``)."""
+        return type(self) is MemoryStore or type(self)._on_tokens is not MemoryStore._on_tokens
+
+    def fill_tokens(self, counts: Mapping[bytes, int]) -> int:
+        """Give stored nodes written uncounted (``tokens < 0``) their token counts: each is
+        replaced, in every index, by the same node with its count. Returns how many were filled."""
+        index = self._index
+        filled = 0
+        for key, tokens in counts.items():
+            node = index.nodes.get(key)
+            if node is None or node.tokens >= 0 or tokens < 0:
+                continue
+            counted = Node(
+                node.key, node.parent, node.tenant, node.depth, node.role, node.identity, node.body,
+                tokens, node.generated, node.partial, node.created,
+            )
+            index.nodes[key] = counted
+            _swap(index.children, node.parent, node, counted)
+            _swap(index.by_identity, (node.tenant, node.identity), node, counted)
+            index.bytes += node_cost(counted) - node_cost(node)
+            self._on_tokens(key, tokens)
+            filled += 1
+        return filled
+
     def last_session(self, keys: Sequence[bytes]) -> bytes | None:
         """The deepest of ``keys`` that is a session's leaf (holds totals), without copying them."""
         totals = self._sessions.totals
@@ -230,6 +258,9 @@ class MemoryStore:
 
     def _on_totals(self, leaf: bytes, totals: SessionTotals | None) -> None:
         """The totals of ``leaf`` changed (``None``: they moved away)."""
+
+    def _on_tokens(self, key: bytes, tokens: int) -> None:
+        """Node ``key``, stored uncounted, has its token count now (see :attr:`fills_tokens`)."""
 
     # -- loading, for persistent backends (the hooks are not called) ----------------------
 
@@ -304,3 +335,16 @@ class MemoryStore:
     @property
     def _totals(self) -> dict[bytes, SessionTotals]:
         return self._sessions.totals
+
+
+def _swap(index: dict[Any, Node | list[Node]], key: Any, old: Node, new: Node) -> None:
+    """Put ``new`` where ``old`` is in ``index[key]`` (a lone node, or a list searched from its
+    newest end, where a node just written is)."""
+    entry = index.get(key)
+    if entry is old:
+        index[key] = new
+    elif isinstance(entry, list):
+        for i in range(len(entry) - 1, -1, -1):
+            if entry[i] is old:
+                entry[i] = new
+                return

@@ -4,11 +4,14 @@ The machines are shared and noisy, so nothing is compared across runs: every cas
 measured together with its baseline, in rotating order (A, B, C / B, C, A / ...), and
 the statistics are taken per case over all rounds. In-process timings use the thread's
 CPU time (:func:`time.thread_time`): on a 2-CPU machine shared with compilers and test
-suites, wall time would mostly measure when this process was descheduled.
+suites, wall time would mostly measure when this process was descheduled. Server processes
+are measured by their own CPU time too (:func:`process_cpu`, from ``/proc``), never by the
+client's wall clock.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -81,3 +84,26 @@ def interleaved(
             samples[name].append((cpu_clock() - t0) / n)
         i += 1
     return samples
+
+
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) of a process and its direct children; None off
+    Linux or once it is gone. Ticks of ``SC_CLK_TCK`` (10 ms): measure over many requests."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    try:
+        for p in (pid, *_children(pid)):
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []

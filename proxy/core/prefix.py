@@ -1,0 +1,432 @@
+"""Re-sent conversations: the byte-identical start of a tenant's recent request bodies. Pure.
+
+An agent re-sends its whole conversation every turn: the bytes it sent the turn before, then
+a few new messages (or the same conversation with its last turn changed). :class:`PrefixMemo`
+keeps, per scope (the caller's: tenant root, method and path), the last few bodies with a
+top-level ``messages`` array: their bytes, where each message ends in them, and their parsed
+values. A new body whose bytes begin with one of them up to the end of its message ``k - 1``
+holds the same messages ``0 .. k-1`` -- the same bytes at the same place of the same JSON
+document -- so they are taken as parsed before, and only the new messages are parsed, provided
+the bytes after the array are, byte for byte, those that followed it before (then the whole
+body is that one with other messages at its end). Anything else is a miss: the caller parses
+the whole body, then remembers it.
+
+The messages (and the ``tools`` value) of a remembered body are held by the identity memo
+(:meth:`~proxy.core.identity.IdentityMemo.hold`) with their identities and chain steps, so
+identifying and matching a re-sent body costs a lookup per shared message, and the full work
+only for its new ones.
+
+Where the messages are in the bytes: each message's ``orjson.dumps`` is looked for at its
+place (what clients that serialize compactly send: the OpenAI SDKs, ``JSON.stringify``); where
+it is not there, the element is delimited by the scanner of :mod:`proxy.core.splice`. That the
+array is the top-level ``messages`` member (the last one, which is the one a parser keeps) is
+proven once, when a body is first remembered, by parsing the bytes before it and after it.
+Any doubt is a miss, never a different body.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .identity import IdentityMemo
+from .match import Match
+from .splice import _Refused, _skip_value
+
+__all__ = ["PrefixMemo", "Recalled"]
+
+_WS = re.compile(rb"[ \t\n\r]*+")
+_NEXT = re.compile(rb"[ \t\n\r]*+(?:(,)[ \t\n\r]*+|(\]))")
+_COMMA = re.compile(rb"[ \t\n\r]*+,[ \t\n\r]*+")
+_MESSAGES_KEY = re.compile(rb'"messages"[ \t\n\r]*+:[ \t\n\r]*+\[')
+_CLOSE = ord("]")
+_TRIES = 4
+"""Places tried for the array when a body is first remembered."""
+_WINDOW = 64
+"""Bytes compared first, just before a message's end."""
+
+
+@dataclass(frozen=True, slots=True)
+class Recalled:
+    """A body rebuilt from a remembered one and its own new bytes."""
+
+    body: dict[str, Any]
+    """The parsed body (a new dict and ``messages`` list; the shared messages are the remembered objects)."""
+    shared: int
+    """Leading messages taken from the remembered body."""
+    tag: Any
+    """What the caller attached when it remembered that body (the wire API that parsed it)."""
+    source: _Body
+    cut: int
+    """Where the shared messages end in the new bytes."""
+    close: int
+    """Where the new body's ``messages`` array closes (its ``]``)."""
+    ends: list[int] | None = None
+    """Where each new message ends, when they were delimited to rebuild the body."""
+
+
+class _Body:
+    """One remembered body."""
+
+    __slots__ = ("before", "close", "cost", "ends", "first_key", "messages", "raw", "start", "tag", "tools", "top", "view")
+
+    def __init__(self, raw: bytes, start: int, ends: list[int], close: int, top: dict[str, Any], tag: Any) -> None:
+        self.raw = raw
+        self.view = memoryview(raw)
+        self.start = start
+        """Offset just after the ``[`` that opens the array."""
+        self.ends = ends
+        """Offset just past each message."""
+        self.close = close
+        """Offset of the ``]`` that closes the array."""
+        self.top = top
+        # The members before the array, in order: the same in every body rebuilt from this one.
+        # Unknown (None) when the bytes before it might name "messages" twice.
+        head = raw[:start]
+        self.before = (
+            list(itertools.takewhile(lambda item: item[0] != "messages", top.items()))
+            if head.count(b'"messages"') == 1 and b"\\u" not in head
+            else None
+        )
+        self.messages: list[Any] = top["messages"]
+        """Held in the identity memo, as long as this body is kept."""
+        self.tools: Any = None
+        """The ``tools`` value, when held in the identity memo."""
+        self.first_key = b""
+        """The chain key of element 0 (the tools) when it was remembered."""
+        self.tag = tag
+        self.cost = 2 * len(raw) + IdentityMemo.HELD_OVERHEAD * (len(self.messages) + 1) + 512
+
+    def same(self, raw: bytes, k: int) -> bool:
+        """``raw`` has this body's first ``k`` messages, byte for byte. The bytes just before the
+        k-th message's end are compared first (where two conversations differ): a body that
+        differs is told in a few bytes, one that is the same in a ``memcmp``."""
+        end = self.ends[k - 1]
+        cut = max(0, end - _WINDOW)
+        view = self.view
+        return raw.startswith(view[cut:end], cut) and raw.startswith(view[:cut])
+
+    def continued(self, raw: bytes) -> int:
+        """This body's messages when ``raw`` continues it (all of them) or changes its last turn
+        (all but the last); else 0. Two window compares for a body it does not continue."""
+        n = len(self.ends)
+        if self.same(raw, n):
+            return n
+        if n > 1 and self.same(raw, n - 1):
+            return n - 1
+        return 0
+
+    def shared(self, raw: bytes) -> int:
+        """How many leading messages ``raw`` has byte for byte as this body has them."""
+        n = len(self.ends)
+        if self.same(raw, n):
+            return n
+        if n == 1 or not self.same(raw, 1):
+            return 0
+        lo, hi = 1, n  # lo messages are shared, hi are not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.same(raw, mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def extend(self, raw: bytes, k: int) -> Recalled | None:
+        """``raw`` as this body's first ``k`` messages and its own others, or None (parse it whole)."""
+        cut = self.ends[k - 1]
+        view = memoryview(raw)
+        after = self.view[self.close :]
+        close = len(raw) - len(after)
+        if close >= cut and raw.endswith(after):
+            # What follows the array is this body's: so is everything but the new messages.
+            try:
+                # "[0" stands for the shared messages: what follows them must be ",message"s and
+                # whitespace up to the array's end, or this is no JSON array.
+                tail = orjson.loads(b"".join((b"[0", view[cut:close], b"]")))
+            except orjson.JSONDecodeError:
+                return None
+            body = dict(self.top)
+            ends = None
+        else:
+            # Something after the array changed too (another tools array, a flag): delimit the new
+            # messages, then read the members after the array, which must not name "messages".
+            located = _delimit(raw, cut) if self.before is not None else None
+            if located is None or self.before is None:
+                return None
+            ends, close = located
+            rest_bytes = view[close:]
+            if not _names_no_messages(rest_bytes):
+                return None
+            try:
+                tail = orjson.loads(b"".join((b"[0", view[cut:close], b"]")))
+                rest = orjson.loads(b"".join((b'{"messages":[', rest_bytes)))
+            except orjson.JSONDecodeError:
+                return None
+            if type(rest) is not dict:
+                return None
+            body = dict(self.before)
+            del rest["messages"]
+            body["messages"] = None
+            body.update(rest)
+        messages = self.messages[:k]
+        messages.extend(tail[1:])
+        body["messages"] = messages
+        return Recalled(body, k, self.tag, self, cut, close, ends)
+
+
+class PrefixMemo:
+    """Recent bodies per scope, bounded by ``max_bytes`` (what they hold, counted twice their bytes).
+
+    Owned by its caller (one per identity memo, so per policy); not thread-safe."""
+
+    MAX_BODIES = 64
+    """Bodies kept per scope: a tenant's sessions in parallel, each continuing its own."""
+    SEARCHED = 4
+    """Bodies searched for the longest shared start when none is continued."""
+
+    def __init__(self, memo: IdentityMemo, max_bytes: int = 64 * 1024 * 1024) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.memo = memo
+        self.max_bytes = max_bytes
+        self._scopes: OrderedDict[Hashable, list[_Body]] = OrderedDict()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return sum(len(bodies) for bodies in self._scopes.values())
+
+    @property
+    def size(self) -> int:
+        """Accounted bytes held."""
+        return self._size
+
+    def recall(self, scope: Hashable, raw: bytes) -> Recalled | None:
+        """The body of ``raw`` when it continues a body remembered in ``scope``; None: parse it whole."""
+        bodies = self._scopes.get(scope)
+        if not bodies:
+            return None
+        self._scopes.move_to_end(scope)
+        # The body it continues (or whose last turn it changes): the most recent first, two
+        # window compares each for the others (a tenant's parallel sessions).
+        for body in bodies:
+            k = body.continued(raw)
+            if k:
+                return body.extend(raw, k)
+        # Else the most recent few, for the longest shared start (a new session of a system prompt).
+        best, best_k = None, 0
+        for body in bodies[: self.SEARCHED]:
+            k = body.shared(raw)
+            if k > best_k:
+                best, best_k = body, k
+        return best.extend(raw, best_k) if best is not None else None
+
+    def remember(
+        self,
+        scope: Hashable,
+        raw: bytes,
+        body: Mapping[str, Any],
+        match: Match,
+        recalled: Recalled | None = None,
+        tag: Any = None,
+    ) -> bool:
+        """Keep ``body`` (parsed from ``raw``, planned into ``match`` with this memo's identity
+        memo) for the next bodies of ``scope``. ``recalled``: how it was rebuilt, if it was.
+        False when it cannot be kept (not located, too large, no messages)."""
+        messages = body.get("messages")
+        if (
+            type(messages) is not list
+            or not messages
+            or len(match.message_ids) != len(messages)
+            or 2 * len(raw) > self.max_bytes // 16
+        ):
+            return False
+        bodies = self._scopes.get(scope)
+        if recalled is not None and recalled.body is body:
+            source = recalled.source
+            k = recalled.shared
+            if recalled.ends is not None:
+                located: tuple[list[int], int] | None = (recalled.ends, recalled.close)
+            else:
+                located = _locate(raw, recalled.cut, messages, k, match.message_dumped, first=False)
+            if located is None or located[1] != recalled.close or len(located[0]) != len(messages) - k:
+                return False
+            entry = _Body(raw, source.start, source.ends[:k] + located[0], recalled.close, recalled.body, recalled.tag)
+            if bodies is not None and source in bodies and k >= len(source.ends) - 1:
+                # The session went on (or changed its last turn): this body takes the place of the
+                # one it continues, and the messages they share stay held as they are.
+                bodies.remove(source)
+                self._size -= source.cost
+                self._hold(entry, match, k, source)
+            else:
+                self._hold(entry, match, 0, None)
+        else:
+            found = _layout(raw, messages, match.message_dumped)
+            if found is None:
+                return False
+            entry = _Body(raw, found[0], found[1], found[2], dict(body), tag)
+            self._hold(entry, match, 0, None)
+        if bodies is None:
+            bodies = self._scopes[scope] = []
+        else:
+            self._scopes.move_to_end(scope)
+        bodies.insert(0, entry)
+        self._size += entry.cost
+        while len(bodies) > self.MAX_BODIES:
+            self._drop(bodies.pop())
+        while self._size > self.max_bytes and self._scopes:
+            _, gone = self._scopes.popitem(last=False)
+            for old in gone:
+                self._drop(old)
+        return True
+
+    def _hold(self, entry: _Body, match: Match, kept: int, source: _Body | None) -> None:
+        """Hold ``entry``'s messages (and tools value) with their identities and chain steps. With
+        ``source``, its first ``kept`` messages (and its tools value, when the same object) are
+        ``entry``'s already: they pass over as held; the rest of ``source`` is released."""
+        memo = self.memo
+        messages = entry.messages
+        sizes, dumped, ids = match.message_sizes, match.message_dumped, match.message_ids
+        if source is not None:
+            for msg in source.messages[kept:]:
+                memo.release(msg)
+        for r in range(kept, len(messages)):
+            memo.hold(messages[r], ids[r], sizes[r], dumped[r] if dumped else None)
+        keys = match.keys
+        # The chain steps of the messages passed over are still right unless the chain starts
+        # elsewhere now (other tools): each step is a pure function of its parent and identity.
+        settled = kept if source is not None and source.first_key == keys[0] else 0
+        for p, r in enumerate(match.order):
+            if r >= settled:
+                step = memo.held(messages[r])
+                if step is not None:
+                    step.parent, step.key = keys[p], keys[p + 1]
+        entry.first_key = keys[0]
+        tools = entry.top.get("tools")
+        old_tools = source.tools if source is not None else None
+        if tools is not None and match.identities and keys:
+            if tools is not old_tools:
+                memo.hold(tools, match.identities[0], -1)
+            step = memo.held(tools)
+            if step is not None:
+                step.parent, step.key = match.root, keys[0]
+            entry.tools = tools
+        if old_tools is not None and old_tools is not tools:
+            memo.release(old_tools)
+
+    def _drop(self, body: _Body) -> None:
+        self._size -= body.cost
+        for msg in body.messages:
+            self.memo.release(msg)
+        if body.tools is not None:
+            self.memo.release(body.tools)
+
+
+def _delimit(raw: bytes, pos: int) -> tuple[list[int], int] | None:
+    """Ends of the array elements after the one that ends at ``pos``, and the offset of the ``]``
+    that closes the array (the scanner of :mod:`proxy.core.splice`); None if it is not one."""
+    ends: list[int] = []
+    try:
+        while True:
+            m = _NEXT.match(raw, pos)
+            if m is None:
+                return None
+            if m.lastindex == 2:
+                return ends, m.start(2)
+            pos = _skip_value(raw, m.end(), ())
+            ends.append(pos)
+    except (_Refused, IndexError):
+        return None
+
+
+def _names_no_messages(rest: memoryview) -> bool:
+    """The bytes after the array cannot hold another ``messages`` key: not even the word (nor a
+    ``\\u`` escape that could spell it)."""
+    data = bytes(rest)
+    return b'"messages"' not in data and b"\\u" not in data
+
+
+def _element_end(raw: bytes, pos: int, dumped: bytes | None, element: Any) -> int | None:
+    """End of the element at ``pos``: its ``orjson.dumps`` when the client wrote exactly that, else
+    the scanner's extent."""
+    if dumped is None:
+        try:
+            dumped = orjson.dumps(element)
+        except TypeError:
+            dumped = None
+    if dumped is not None and raw.startswith(dumped, pos):
+        return pos + len(dumped)
+    try:
+        return _skip_value(raw, pos, ())
+    except (_Refused, IndexError):
+        return None
+
+
+def _locate(
+    raw: bytes, pos: int, messages: Sequence[Any], start: int, dumped: Sequence[bytes | None], *, first: bool
+) -> tuple[list[int], int] | None:
+    """Ends of ``messages[start:]``, the first at ``pos`` (after ``[`` when ``first``, else after
+    the previous element), and the offset of the ``]`` that follows them."""
+    ends: list[int] = []
+    for r in range(start, len(messages)):
+        m = (_WS if first and r == start else _COMMA).match(raw, pos)
+        if m is None:
+            return None
+        end = _element_end(raw, m.end(), dumped[r] if dumped else None, messages[r])
+        if end is None:
+            return None
+        ends.append(end)
+        pos = end
+    m = _WS.match(raw, pos)
+    assert m is not None  # matches the empty string
+    close = m.end()
+    if close >= len(raw) or raw[close] != _CLOSE:
+        return None
+    return ends, close
+
+
+def _layout(
+    raw: bytes, messages: Sequence[Any], dumped: Sequence[bytes | None]
+) -> tuple[int, list[int], int] | None:
+    """Where the top-level ``messages`` array's elements start (just after its ``[``), where each
+    ends and where it closes; None when that is not certain."""
+    first = dumped[0] if dumped and dumped[0] is not None else None
+    candidates: list[int] = []
+    if first is not None:
+        at = raw.find(first)
+        while at >= 0 and len(candidates) < _TRIES:
+            # The array opens before the first message, whitespace between.
+            p = at
+            while p > 0 and raw[p - 1] in b" \t\n\r":
+                p -= 1
+            if p > 0 and raw[p - 1] == ord("["):
+                candidates.append(p)
+            at = raw.find(first, at + 1)
+    if not candidates:
+        candidates = [m.end() for _, m in zip(range(_TRIES), _MESSAGES_KEY.finditer(raw), strict=False)]
+    for start in candidates:
+        located = _locate(raw, start, messages, 0, dumped, first=True)
+        if located is not None and _is_top_level_messages(raw, start, located[1]):
+            return start, located[0], located[1]
+    return None
+
+
+def _is_top_level_messages(raw: bytes, start: int, close: int) -> bool:
+    """The array from ``start`` (after its ``[``) to ``close`` is the value of the top-level key
+    ``messages``, and the last such key: the bytes before it close as an object whose last key is
+    ``messages``, and the bytes after it hold no other ``messages`` member."""
+    view = memoryview(raw)
+    try:
+        before = orjson.loads(b"".join((view[:start], b"]}")))
+        after = orjson.loads(b"".join((b'{"messages":[', view[close:])))
+    except orjson.JSONDecodeError:
+        return False
+    if type(before) is not dict or type(after) is not dict or not before:
+        return False
+    return next(reversed(before)) == "messages" and before["messages"] == [] and _names_no_messages(view[close:])
