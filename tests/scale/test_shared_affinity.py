@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -27,26 +27,6 @@ from tests.store.redis_server import RedisClusterProcesses, RedisServer, binarie
 DRIFTS = [no_drift, *(SAFE_DRIFTS[n] for n in ("args_keys_reordered", "tools_reordered", "tool_results_reordered", "null_fields", "varying"))]
 TURNS = 5
 KINDS = ("affinity", "spill", "new", "failover")
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    why = binaries_missing()
-    if why is not None:
-        pytest.skip(why)
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcesses]:
-    why = binaries_missing()
-    if why is not None:
-        pytest.skip(why)
-    procs = RedisClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
-    yield procs
-    procs.stop()
 
 
 async def instances(make_proxy: ProxyFactory, pool: Sequence[TestServer], url: str, prefix: str, **overrides: Any) -> list[TestServer]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from itertools import cycle
 from typing import Any
 
@@ -25,26 +24,6 @@ from tests.conftest import ProxyFactory, metric, poster, received
 from tests.store.redis_server import RedisClusterProcesses, RedisServer, binaries_missing
 
 TURNS = 6
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    why = binaries_missing()
-    if why is not None:
-        pytest.skip(why)
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcesses]:
-    why = binaries_missing()
-    if why is not None:
-        pytest.skip(why)
-    procs = RedisClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
-    yield procs
-    procs.stop()
 
 
 def alternating(*servers: TestServer) -> Any:

@@ -29,7 +29,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.store.redis_server import HOST, RedisServer, binaries_missing, free_port
+from tests.store.redis_server import HOST, RedisServer, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = "/kvwarm/api/overview"
@@ -118,16 +118,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    why = binaries_missing()
-    if why is not None:
-        pytest.skip(why)
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
