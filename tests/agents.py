@@ -3,7 +3,7 @@
 An agent keeps its history in the form it received (the provider's JSON), and
 before each request passes the *re-sent* part of it (everything an earlier
 request or reply already carried) through a drift function: the way real
-clients re-serialize their history (see shared/DRIFT-CATALOGUE.md). New
+clients re-serialize their history (the drift classes of docs/ARCHITECTURE.md, "Identity"). New
 messages are sent clean the first time, so the first form the provider sees
 is the same for a drifting and a non-drifting agent.
 """
