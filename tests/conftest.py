@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from proxy.app import REGISTRY, STORE, create_app
 from proxy.config import Settings, load_settings
 from proxy.sim.server import SIM_STATE, SimConfig, create_sim_app
+from tests.store.redis_server import RedisClusterProcesses, RedisServer, binaries_missing
 
 ProxyFactory = Callable[..., Awaitable[TestServer]]
 
@@ -119,3 +120,29 @@ def poster(
             return data
 
     return post
+
+
+# -- real Redis servers (one standalone server and one 3-master cluster per test module; skipped,
+# with the reason, where redis-server is absent) -------------------------------------------------
+
+
+def need_redis() -> None:
+    why = binaries_missing()
+    if why is not None:
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    need_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcesses]:
+    need_redis()
+    procs = RedisClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
+    yield procs
+    procs.stop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,11 +27,11 @@ from proxy.store.base import AsyncStore, SessionTotals, StoreView, TurnWrite
 from proxy.store.local import LocalStore
 from proxy.store.memory import MemoryStore
 from proxy.store.redis import CHILDREN_LIMIT, WRITE, RedisStore, RedisView, is_redis_url
+from tests.conftest import need_redis
 from tests.core.factories import assistant, call, make_chat, result, system, user
 from tests.store.redis_server import (
     RedisClusterProcesses,
     RedisServer,
-    binaries_missing,
 )
 
 BIG = 10**12
@@ -42,26 +42,10 @@ POLICY = Policy()
 # -- fixtures ----------------------------------------------------------------------------------
 
 
-def _need_redis() -> None:
-    why = binaries_missing()
-    if why is not None:
-        pytest.skip(why)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    _need_redis()
-    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcesses]:
-    _need_redis()
-    procs = RedisClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
-    yield procs
-    procs.stop()
+def server(redis: RedisServer) -> RedisServer:
+    """The standalone Redis of this module (``redis`` in tests/conftest.py)."""
+    return redis
 
 
 @pytest.fixture
@@ -437,7 +421,7 @@ async def test_a_retried_write_is_counted_once(redis_pair, tenant, make_path):
 
 async def test_starting_while_redis_is_down(tmp_path: Path, tenant, make_path):
     """Open never fails on Redis being away: the store waits degraded, and so does the secret."""
-    _need_redis()
+    need_redis()
     srv = RedisServer(tmp_path / "r")
     store = RedisStore(srv.url, ttl_seconds=60, timeout=0.3, probe_backoff=(0.02, 0.1))
     await store.open()
@@ -465,7 +449,7 @@ async def wait_for(predicate: Callable[[], bool], seconds: float) -> None:
 
 
 async def test_killed_redis_fails_fast_and_recovers(tmp_path: Path, tenant, make_path):
-    _need_redis()
+    need_redis()
     srv = RedisServer(tmp_path / "r", extra=["--appendonly", "yes", "--appendfsync", "always"]).start()
     store = RedisStore(srv.url, ttl_seconds=60, secret=SECRET, timeout=0.5, probe_backoff=(0.02, 0.1))
     await store.open()
@@ -504,7 +488,7 @@ async def test_killed_redis_fails_fast_and_recovers(tmp_path: Path, tenant, make
 
 
 async def test_hung_redis_times_out_and_recovers(tmp_path: Path, tenant, make_path):
-    _need_redis()
+    need_redis()
     srv = RedisServer(tmp_path / "r").start()
     store = RedisStore(srv.url, ttl_seconds=60, secret=SECRET, timeout=0.3, probe_backoff=(0.02, 0.1))
     await store.open()
@@ -532,7 +516,7 @@ async def test_hung_redis_times_out_and_recovers(tmp_path: Path, tenant, make_pa
 
 async def test_the_callers_timeout_trips_the_breaker(tmp_path: Path, tenant):
     """The request path bounds its awaits itself: a cancel after a long wait means Redis is slow."""
-    _need_redis()
+    need_redis()
     srv = RedisServer(tmp_path / "r").start()
     store = RedisStore(srv.url, ttl_seconds=60, secret=SECRET, timeout=0.4, probe_backoff=(0.02, 0.1))
     await store.open()
@@ -677,7 +661,7 @@ def test_urls():
 
 
 async def test_unix_socket_url(tmp_path: Path, tenant, make_path):
-    _need_redis()
+    need_redis()
     sock = tmp_path / "redis.sock"
     srv = RedisServer(tmp_path / "r", extra=["--unixsocket", str(sock), "--unixsocketperm", "700"]).start()
     store = RedisStore(f"unix://{sock}?db=3", ttl_seconds=60, secret=SECRET)
