@@ -2,7 +2,7 @@
 
 ``create_app(settings)`` builds everything from one frozen :class:`~proxy.config.Settings`;
 nothing is global. Resources live under typed :class:`web.AppKey` keys and are
-opened and closed in ``cleanup_ctx``: the pooled upstream session, the
+opened and closed in ``cleanup_ctx``: the pooled upstream transport, the
 transcript store, the token counter, and the maintenance task (eviction and
 store gauges).
 """
@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 from aiohttp import hdrs, web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -35,6 +34,7 @@ from .store.factory import make_store
 from .store.local import LocalStore
 from .store.urls import redacted
 from .tokens import TokenCounter
+from .transport import Transport
 from .upstream import Upstream
 from .web.activity import Activity
 from .web.history import History
@@ -111,17 +111,16 @@ def create_app(
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     store = app[STORE]
-    connector = aiohttp.TCPConnector(limit=settings.upstream.max_connections, ttl_dns_cache=300)
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=True, trust_env=False)
+    transport = Transport(limit=settings.upstream.max_connections, connect_timeout=settings.upstream.connect_timeout)
     tokens_task = asyncio.create_task(asyncio.to_thread(TokenCounter))
     try:
         await store.open()
         tokens = await tokens_task
     except BaseException:
-        await session.close()
+        await transport.close()
         raise
     app[PIPELINE] = Pipeline(
-        settings, Upstream(session, settings.upstream), store, app[METRICS], app[PRICES], tokens,
+        settings, Upstream(transport, settings.upstream), store, app[METRICS], app[PRICES], tokens,
         breaks=app[ACTIVITY],
     )
     router = app[PIPELINE].router  # a shared store shares the affinity: every process routes alike
@@ -146,7 +145,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         try:
             await store.close()
         finally:
-            await session.close()
+            await transport.close()
 
 
 async def _maintain(app: web.Application) -> None:

@@ -25,6 +25,7 @@ from aiohttp import hdrs, web
 
 from .core.sse import SSEDecoder
 from .errors import ProxyError
+from .transport import Response
 from .upstream import UpstreamSender, forward_response_headers
 from .wire.base import Hide, Observer, Replace
 
@@ -52,13 +53,13 @@ Finish = Callable[[RelayOutcome], Awaitable[None]]
 """Called once the upstream response is over, before the client gets its last bytes."""
 
 
-def is_event_stream(response: aiohttp.ClientResponse) -> bool:
+def is_event_stream(response: Response) -> bool:
     return response.content_type == "text/event-stream"
 
 
 async def relay(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: Response,
     sender: UpstreamSender,
     extra_headers: dict[str, str],
     observer: Observer,
@@ -75,13 +76,13 @@ async def relay(
 
 async def _relay_events(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: Response,
     sender: UpstreamSender,
     extra_headers: dict[str, str],
     observer: Observer,
     finish: Finish,
 ) -> web.StreamResponse:
-    headers = forward_response_headers(upstream.headers)
+    headers = forward_response_headers(upstream.headers, upstream.decoded)
     headers.update(extra_headers)
     out = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     outcome = RelayOutcome()
@@ -124,7 +125,7 @@ async def _relay_events(
 
 
 async def _relay_whole(
-    upstream: aiohttp.ClientResponse,
+    upstream: Response,
     sender: UpstreamSender,
     extra_headers: dict[str, str],
     observer: Observer,
@@ -141,14 +142,14 @@ async def _relay_whole(
     data = b"".join(parts)
     observer.on_body(data)
     await finish(RelayOutcome(complete=True))
-    headers = forward_response_headers(upstream.headers)
+    headers = forward_response_headers(upstream.headers, upstream.decoded)
     headers.update(extra_headers)
     return web.Response(status=upstream.status, reason=upstream.reason, body=data, headers=headers)
 
 
 async def _relay_chunks(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: Response,
     sender: UpstreamSender,
     extra_headers: dict[str, str],
     observer: Observer,
@@ -159,7 +160,7 @@ async def _relay_chunks(
     except BaseException:
         upstream.close()
         raise
-    headers = forward_response_headers(upstream.headers)
+    headers = forward_response_headers(upstream.headers, upstream.decoded)
     headers.update(extra_headers)
     out = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     outcome = RelayOutcome()
@@ -189,7 +190,7 @@ async def _relay_chunks(
     return await _close(request, out, outcome, [held] if held and outcome.complete else [])
 
 
-async def _cancelled(upstream: aiohttp.ClientResponse, outcome: RelayOutcome, finish: Finish) -> None:
+async def _cancelled(upstream: Response, outcome: RelayOutcome, finish: Finish) -> None:
     """The server cancelled the handler (the client disconnected): close the upstream request and
     still record what the client was delivered, shielded from the cancellation."""
     outcome.client_gone = True
@@ -197,7 +198,7 @@ async def _cancelled(upstream: aiohttp.ClientResponse, outcome: RelayOutcome, fi
     await asyncio.shield(finish(outcome))
 
 
-def _done_with(upstream: aiohttp.ClientResponse, outcome: RelayOutcome) -> None:
+def _done_with(upstream: Response, outcome: RelayOutcome) -> None:
     if outcome.complete:
         upstream.release()
     else:

@@ -1,9 +1,9 @@
 """The pooled upstream client: where a request goes, which headers travel, and error conversion.
 
-One :class:`aiohttp.ClientSession` per app (created in the app's ``cleanup_ctx``), shared
-by every replica: :class:`Upstream` is the pool of senders, one :class:`ReplicaSender`
-per ``upstream.base_url`` (which one a request takes is :mod:`proxy.routing`'s choice).
-Library errors become :class:`~proxy.errors.UpstreamUnreachable` (502) or
+One :class:`~proxy.transport.Transport` per app (created in the app's ``cleanup_ctx``; why
+not aiohttp's client: see that module), shared by every replica: :class:`Upstream` is the
+pool of senders, one :class:`ReplicaSender` per ``upstream.base_url`` (which one a request
+takes is :mod:`proxy.routing`'s choice). Transport errors become :class:`~proxy.errors.UpstreamUnreachable` (502) or
 :class:`~proxy.errors.UpstreamTimeout` (504) here, once; :func:`never_sent` tells the
 router which of them left the replica without a byte of the request (so another replica
 may take it).
@@ -11,30 +11,27 @@ may take it).
 
 from __future__ import annotations
 
-import asyncio
-import errno
 import logging
 from collections.abc import Mapping
 from typing import Protocol
 
-import aiohttp
 from aiohttp import hdrs
 from multidict import CIMultiDict
 from yarl import URL
 
 from .config import UpstreamSettings
 from .errors import UpstreamTimeout, UpstreamUnreachable
+from .transport import (
+    ConnectFailed,
+    Disconnected,
+    Malformed,
+    Origin,
+    Response,
+    Transport,
+    TransportError,
+)
 
 log = logging.getLogger(__name__)
-
-_STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
-
-
-def _stale_connection(exc: aiohttp.ClientError) -> bool:
-    """A disconnect that means "this connection was dead", not "the upstream is unreachable"."""
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return True
-    return isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError) and exc.errno in _STALE_ERRNOS
 
 
 HOP_BY_HOP = frozenset(
@@ -53,8 +50,10 @@ HOP_BY_HOP = frozenset(
 )
 # Recomputed by aiohttp for the bytes actually sent.
 _REQUEST_DROP = HOP_BY_HOP | {hdrs.HOST.lower(), hdrs.CONTENT_LENGTH.lower(), hdrs.ACCEPT_ENCODING.lower()}
-# The upstream body is decoded here (to observe usage), so its encoding and length no longer apply.
-_RESPONSE_DROP = HOP_BY_HOP | {hdrs.CONTENT_LENGTH.lower(), hdrs.CONTENT_ENCODING.lower()}
+# The relay sets the length of what it sends.
+_RESPONSE_DROP = HOP_BY_HOP | {hdrs.CONTENT_LENGTH.lower()}
+# A gzip or deflate body is decoded here (to observe usage): its encoding no longer applies.
+_DECODED_DROP = _RESPONSE_DROP | {hdrs.CONTENT_ENCODING.lower()}
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
@@ -83,9 +82,10 @@ def forward_request_headers(incoming: Mapping[str, str], api_key: str = "") -> C
     return out
 
 
-def forward_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
-    """The upstream's response headers minus hop-by-hop, length and encoding headers."""
-    drop = _RESPONSE_DROP | _connection_tokens(upstream)
+def forward_response_headers(upstream: Mapping[str, str], decoded: bool = True) -> CIMultiDict[str]:
+    """The upstream's response headers minus hop-by-hop and length headers, and minus the
+    encoding of a body that was ``decoded`` on its way through."""
+    drop = (_DECODED_DROP if decoded else _RESPONSE_DROP) | _connection_tokens(upstream)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in upstream.items():
         if name.lower() not in drop:
@@ -93,17 +93,10 @@ def forward_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
     return out
 
 
-_NEVER_SENT: tuple[type[BaseException], ...] = (
-    aiohttp.ClientConnectorError,
-    getattr(aiohttp, "ConnectionTimeoutError", aiohttp.ClientConnectorError),  # aiohttp >= 3.10
-)
-"""Failures to open a connection: not one byte of the request reached the upstream."""
-
-
 def never_sent(exc: BaseException) -> bool:
     """``exc`` (raised by :meth:`ReplicaSender.send`) left the upstream without a byte of the
     request: a refused or unreachable address, a connect timeout. Another replica may take it."""
-    return isinstance(exc.__cause__, _NEVER_SENT)
+    return isinstance(exc.__cause__, ConnectFailed)
 
 
 class UpstreamSender(Protocol):
@@ -114,81 +107,87 @@ class UpstreamSender(Protocol):
 
     async def send(
         self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
-    ) -> aiohttp.ClientResponse: ...
+    ) -> Response: ...
 
-    async def read_chunk(self, response: aiohttp.ClientResponse) -> bytes: ...
+    async def read_chunk(self, response: Response) -> bytes: ...
 
 
 class Upstream:
-    """The pool of senders: one :class:`ReplicaSender` per ``settings.base_url``, one session."""
+    """The pool of senders: one :class:`ReplicaSender` per ``settings.base_url``, one transport."""
 
-    def __init__(self, session: aiohttp.ClientSession, settings: UpstreamSettings) -> None:
+    def __init__(self, transport: Transport, settings: UpstreamSettings) -> None:
         self.senders: tuple[ReplicaSender, ...] = tuple(
-            ReplicaSender(session, settings, url) for url in settings.base_url
+            ReplicaSender(transport, settings, url) for url in settings.base_url
         )
 
 
 class ReplicaSender:
-    """Sends requests to one base URL over the app's pooled session."""
+    """Sends requests to one base URL over the app's pooled transport."""
 
-    def __init__(self, session: aiohttp.ClientSession, settings: UpstreamSettings, base_url: str) -> None:
-        self._session = session
+    def __init__(self, transport: Transport, settings: UpstreamSettings, base_url: str) -> None:
+        self._transport = transport
         self._settings = settings
         self._base = URL(base_url.rstrip("/"))
-        # first_byte_timeout bounds the wait for the response headers only (see send); pauses
-        # inside a body are idle_timeout's (read_chunk).
-        self._timeout = aiohttp.ClientTimeout(total=settings.total_timeout, sock_connect=settings.connect_timeout)
+        port = self._base.port
+        self._origin = Origin(self._base.raw_host or "", port if port is not None else 80, self._base.scheme == "https")
+        self._path = self._base.raw_path.rstrip("/")
+        # first_byte_timeout bounds the wait for the response headers only; pauses inside a body
+        # are idle_timeout's (read_chunk); total_timeout bounds both, from the request's start.
+        self._first_byte = min(settings.first_byte_timeout, settings.total_timeout)
 
     @property
     def base_url(self) -> str:
         return str(self._base)
 
-    def url_for(self, path: str, query: str) -> URL:
-        """``/v1/chat/completions`` -> ``<base_url>/chat/completions`` (the base carries its own /v1).
+    def target_for(self, path: str, query: str) -> str:
+        """``/v1/chat/completions`` -> ``<base path>/chat/completions`` (the base carries its own /v1).
 
         ``query`` is the client's raw (still percent-encoded) query string: forwarded as sent."""
         tail = path[3:] if path.startswith("/v1/") or path == "/v1" else path
-        return URL(str(self._base) + tail + ("?" + query if query else ""), encoded=True)
+        return (self._path + tail or "/") + ("?" + query if query else "")
+
+    def url_for(self, path: str, query: str) -> URL:
+        """The whole URL :meth:`send` requests for ``path`` and ``query``."""
+        return URL(str(self._base.origin()) + self.target_for(path, query), encoded=True)
 
     async def send(
         self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
-    ) -> aiohttp.ClientResponse:
+    ) -> Response:
         """Send and wait for the response headers; the body is read by the caller.
 
         A pooled connection the upstream closed while idle (llama.cpp and uvicorn-based servers
         such as vLLM close keep-alive connections after 5 s) fails with a disconnect before any
         response byte: the request is sent once more, on a fresh connection.
         """
-        url = self.url_for(path, query)
+        target = self.target_for(path, query)
+        started = self._transport.loop.time()
         for attempt in range(2):
             try:
-                async with asyncio.timeout(self._settings.first_byte_timeout):
-                    return await self._session.request(
-                        method,
-                        url,
-                        headers=headers,
-                        data=body if body else None,
-                        timeout=self._timeout,
-                        allow_redirects=False,
-                        auto_decompress=True,
-                    )
-            except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-                raise UpstreamTimeout(f"the upstream did not answer in time: {exc}") from exc
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if attempt == 0 and _stale_connection(exc):
-                    log.debug("upstream closed a pooled connection (%s); retrying once", type(exc).__name__)
+                response = await self._transport.request(
+                    self._origin, method, target, headers.items(), body, fresh=attempt > 0, within=self._first_byte
+                )
+            except TimeoutError as exc:
+                raise UpstreamTimeout("the upstream did not answer in time") from exc
+            except ConnectFailed as exc:
+                if isinstance(exc.__cause__, TimeoutError):
+                    raise UpstreamTimeout(f"the upstream did not answer in time: {exc}") from exc
+                raise UpstreamUnreachable(f"the upstream could not be reached: {exc}") from exc
+            except Disconnected as exc:
+                if attempt == 0 and exc.before_response:
+                    log.debug("upstream closed a pooled connection; retrying once")
                     continue
-                raise UpstreamUnreachable(f"the upstream could not be reached: {type(exc).__name__}") from exc
-            except aiohttp.ClientError as exc:
-                raise UpstreamUnreachable(f"the upstream could not be reached: {type(exc).__name__}") from exc
+                raise UpstreamUnreachable(f"the upstream could not be reached: {exc}") from exc
+            except (Malformed, ValueError) as exc:
+                raise UpstreamUnreachable(f"the upstream could not be reached: {exc}") from exc
+            response.deadline = started + self._settings.total_timeout
+            return response
         raise AssertionError("unreachable")
 
-    async def read_chunk(self, response: aiohttp.ClientResponse) -> bytes:
+    async def read_chunk(self, response: Response) -> bytes:
         """The next body chunk as it arrives (b"" at the end), within the idle timeout."""
         try:
-            async with asyncio.timeout(self._settings.idle_timeout):
-                return await response.content.readany()
+            return await response.read_chunk(self._settings.idle_timeout)
         except TimeoutError as exc:
             raise UpstreamTimeout("the upstream stalled mid-response") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"the upstream connection failed mid-response: {type(exc).__name__}") from exc
+        except TransportError as exc:
+            raise UpstreamUnreachable(f"the upstream connection failed mid-response: {exc}") from exc

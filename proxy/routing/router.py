@@ -24,13 +24,12 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar
 
-import aiohttp
-
 from ..config import RoutingSettings
 from ..core.guard import STRICT, Guard
 from ..core.plan import TurnPlan
 from ..errors import ProxyError
 from ..metrics import ProxyMetrics
+from ..transport import Response
 from ..upstream import UpstreamSender, never_sent
 from .affinity import Affinity, LocalAffinity
 from .cache_key import FIELD, KeyShards, conversation_key, session_cache_key, with_prompt_cache_key
@@ -263,7 +262,7 @@ class Lease(Generic[OutT]):
     router: Router
     plan: TurnPlan | None
     replica: Replica
-    response: aiohttp.ClientResponse
+    response: Response
     outgoing: OutT
     """What was sent (the bytes, and what the wire needs to read the response)."""
     trial: bool

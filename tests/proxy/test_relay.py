@@ -22,6 +22,7 @@ from proxy.core.usage import Usage
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
 from proxy.guard import runner_options
 from proxy.relay import WHOLE_BODY_LIMIT, RelayOutcome, relay
+from proxy.transport import Transport
 from proxy.upstream import forward_request_headers
 from proxy.wire.base import HIDE, KEEP, Replace, Verdict
 from tests.proxy.test_upstream_client import upstream_sender
@@ -109,7 +110,7 @@ async def start_relay() -> AsyncIterator[Start]:
     unless ``handler_cancellation=False`` is passed.
     """
     runners: list[web.AppRunner] = []
-    sessions: list[aiohttp.ClientSession] = []
+    transports: list[Transport] = []
 
     async def start(
         base_url: str,
@@ -119,9 +120,9 @@ async def start_relay() -> AsyncIterator[Start]:
         handler_cancellation: bool | None = None,
         **upstream_settings: Any,
     ) -> Harness:
-        session = aiohttp.ClientSession(auto_decompress=True, trust_env=False)
-        sessions.append(session)
-        upstream = upstream_sender(session, base_url, **upstream_settings)
+        transport = Transport(limit=16, connect_timeout=10.0)
+        transports.append(transport)
+        upstream = upstream_sender(transport, base_url, **upstream_settings)
         gate = asyncio.Event()
         if gate_open:
             gate.set()
@@ -158,8 +159,8 @@ async def start_relay() -> AsyncIterator[Start]:
     yield start
     for runner in runners:
         await runner.cleanup()
-    for session in sessions:
-        await session.close()
+    for transport in transports:
+        await transport.close()
 
 
 def upstream_url(server: TestServer) -> str:

@@ -18,20 +18,23 @@ from yarl import URL
 from proxy.config import UpstreamSettings
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
 from proxy.relay import RelayOutcome, relay
-from proxy.upstream import Upstream, forward_request_headers, forward_response_headers
+from proxy.transport import ConnectFailed, Disconnected, Transport
+from proxy.upstream import (
+    ReplicaSender,
+    Upstream,
+    forward_request_headers,
+    forward_response_headers,
+    never_sent,
+)
 from proxy.wire.base import Untouched
 from tests.conftest import ProxyFactory
 
 WAIT = 5.0
 
 
-def upstream_sender(session: aiohttp.ClientSession, base_url: str, **settings: Any) -> Any:
-    """The real sender of requests to one ``base_url``: :class:`Upstream` itself, or, where
-    ``upstream.base_url`` is a pool of replicas, the pool's one sender."""
-    pooled = isinstance(UpstreamSettings.__dataclass_fields__["base_url"].default, tuple)
-    upstream = Upstream(session, UpstreamSettings(base_url=(base_url,) if pooled else base_url, **settings))  # type: ignore[arg-type]
-    senders = getattr(upstream, "senders", None)
-    return senders[0] if senders else upstream
+def upstream_sender(transport: Transport, base_url: str, **settings: Any) -> ReplicaSender:
+    """The real sender of requests to one ``base_url`` (a pool of one replica)."""
+    return Upstream(transport, UpstreamSettings(base_url=(base_url,), **settings)).senders[0]
 
 
 MakeUpstream = Callable[..., Any]
@@ -39,17 +42,17 @@ MakeUpstream = Callable[..., Any]
 
 @pytest.fixture
 async def make_upstream() -> AsyncIterator[MakeUpstream]:
-    """``make_upstream(base_url, **settings)``: an upstream sender on its own pooled session."""
-    sessions: list[aiohttp.ClientSession] = []
+    """``make_upstream(base_url, **settings)``: an upstream sender on its own pooled transport."""
+    transports: list[Transport] = []
 
-    def make(base_url: str, **settings: Any) -> Any:
-        session = aiohttp.ClientSession(auto_decompress=True, trust_env=False)
-        sessions.append(session)
-        return upstream_sender(session, base_url, **settings)
+    def make(base_url: str, **settings: Any) -> ReplicaSender:
+        transport = Transport(limit=16, connect_timeout=settings.get("connect_timeout", 10.0))
+        transports.append(transport)
+        return upstream_sender(transport, base_url, **settings)
 
     yield make
-    for session in sessions:
-        await session.close()
+    for transport in transports:
+        await transport.close()
 
 
 async def serve(aiohttp_server: Any, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> TestServer:
@@ -187,7 +190,8 @@ async def test_a_pooled_connection_closed_while_idle_is_retried_once(
     for _ in range(2):
         response = await upstream.send("POST", "/v1/embeddings", "", {}, b'{"input":"x"}')
         assert response.status == 200
-        assert await response.read() == b'{"ok":true}'
+        assert await upstream.read_chunk(response) == b'{"ok":true}'
+        assert await upstream.read_chunk(response) == b""
         response.release()  # back to the pool: the second request reuses this connection
     # The second request went out twice: on the dead pooled connection, then on a fresh one.
     assert (closer.received, closer.connections) == (3, 2)
@@ -200,7 +204,8 @@ async def test_an_upstream_that_always_hangs_up_is_unreachable_after_one_retry(
     upstream = make_upstream(await raw_server(closer.handle))
     with pytest.raises(UpstreamUnreachable) as caught:
         await upstream.send("POST", "/v1/embeddings", "", {}, b'{"input":"x"}')
-    assert isinstance(caught.value.__cause__, aiohttp.ServerDisconnectedError)
+    assert isinstance(caught.value.__cause__, Disconnected)
+    assert caught.value.__cause__.before_response
     assert (closer.received, closer.connections) == (2, 2)
 
 
@@ -210,7 +215,8 @@ async def test_a_refused_connection_is_unreachable(
     upstream = make_upstream(f"http://127.0.0.1:{unused_tcp_port}/v1")
     with pytest.raises(UpstreamUnreachable) as caught:
         await upstream.send("GET", "/v1/models", "", {}, b"")
-    assert isinstance(caught.value.__cause__, aiohttp.ClientConnectorError)
+    assert isinstance(caught.value.__cause__, ConnectFailed)
+    assert never_sent(caught.value)
     assert caught.value.status == 502
 
 
@@ -317,7 +323,8 @@ async def test_a_connection_lost_mid_body_is_unreachable_from_read_chunk(
         assert await upstream.read_chunk(response) == b"half"
         with pytest.raises(UpstreamUnreachable) as caught:
             await upstream.read_chunk(response)
-        assert isinstance(caught.value.__cause__, aiohttp.ClientPayloadError)
+        assert isinstance(caught.value.__cause__, Disconnected)
+        assert not caught.value.__cause__.before_response
     finally:
         response.close()
 
