@@ -29,41 +29,38 @@ __all__ = ["STRICT", "FailOpen", "Guard"]
 class FailOpen:
     """One request's boundary. ``failed`` lists the stages that failed, in order.
 
-    ``guard(stage)`` returns a fresh context per stage, so guards nest: the planner's
-    ``match`` inside the request path's ``store`` is counted as what failed.
+    ``with guard(stage):`` names the stage on a stack and returns the guard itself (no object per
+    stage: the request path enters a dozen), so guards nest: the planner's ``match`` inside the
+    request path's ``store`` is counted as what failed.
     """
 
-    __slots__ = ("_count", "failed")
+    __slots__ = ("_count", "_stages", "failed")
 
     def __init__(self, count: Callable[[str], None] | None = None) -> None:
         self._count = count
         """Counts one error of a stage (``ProxyMetrics.error``)."""
         self.failed: list[str] = []
+        self._stages: list[str] = []
+        """The stages entered and not left, innermost last."""
 
-    def __call__(self, stage: str) -> _Stage:
-        return _Stage(self, stage)
+    def __call__(self, stage: str) -> FailOpen:
+        self._stages.append(stage)
+        return self
+
+    def __enter__(self) -> FailOpen:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        stage = self._stages.pop()
+        if exc is None or not isinstance(exc, Exception):
+            return False  # success, or cancellation / exit: never swallowed
+        self.fail(stage, exc)
+        return True
 
     def fail(self, stage: str, exc: BaseException) -> None:
         log.error("%s failed; going on without it (fail open)", stage, exc_info=exc)
         if self._count is not None:
             self._count(stage)
         self.failed.append(stage)
-
-
-class _Stage:
-    __slots__ = ("_boundary", "_stage")
-
-    def __init__(self, boundary: FailOpen, stage: str) -> None:
-        self._boundary = boundary
-        self._stage = stage
-
-    def __enter__(self) -> _Stage:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
-        if exc is None or not isinstance(exc, Exception):
-            return False  # success, or cancellation / exit: never swallowed
-        self._boundary.fail(self._stage, exc)
-        return True

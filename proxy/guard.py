@@ -121,6 +121,8 @@ async def read_body(request: web.Request, settings: ServerSettings) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body of {request.content_length} bytes exceeds the {limit}-byte limit")
     try:
+        if request.content.is_eof():  # all of it arrived with the headers: nothing to wait for
+            return await request.read()
         async with asyncio.timeout(settings.body_timeout):
             return await request.read()
     except TimeoutError as exc:

@@ -437,6 +437,11 @@ class ProxyMetrics:
         # Multiprocess mode: the readers refresh_gauges() sets the scrape-time gauges from.
         self._store_stats: Callable[[], StoreStatsLike] | None = None
         self._upstream_reads: dict[str, tuple[Any, Callable[[], float]]] = {}
+        self.serving = 0
+        """Requests being served now (``kvwarm_inflight_requests``, read at scrape time in one
+        process: a counter bump per request instead of a locked gauge update)."""
+        if not self.multiprocess:
+            self.inflight_requests.set_function(lambda: float(self.serving))
         self._merged: CollectorRegistry | None = None
         self.build_info = Gauge(
             "kvwarm_build_info",
@@ -594,14 +599,25 @@ class ProxyMetrics:
                 pass
         return self._batch
 
+    def request_began(self) -> None:
+        """A request is being served (until :meth:`request_ended`)."""
+        self.serving += 1
+        if self.multiprocess:  # every worker's file holds its own count, added up at scrape time
+            self.inflight_requests.inc()
+
+    def request_ended(self) -> None:
+        self.serving -= 1
+        if self.multiprocess:
+            self.inflight_requests.dec()
+
     @contextmanager
     def inflight(self) -> Iterator[None]:
         """``with metrics.inflight():`` around serving one request."""
-        self.inflight_requests.inc()
+        self.request_began()
         try:
             yield
         finally:
-            self.inflight_requests.dec()
+            self.request_ended()
 
     def track_upstreams(self, inflight: Mapping[str, Callable[[], float]], decisions: Iterable[str]) -> None:
         """Declare the pool: replica label -> its in-flight count (read at scrape time), and the

@@ -113,8 +113,7 @@ class Pipeline:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         guard = FailOpen(self.metrics.error)
-        inflight = self.metrics.inflight_requests
-        inflight.inc()
+        self.metrics.request_began()
         try:
             raw = await request.read()  # read by the guard middleware, within its size and time limits
             scope: Scope = (self.tenants.of(request.headers), request.method, request.path)
@@ -126,7 +125,7 @@ class Pipeline:
             answer = Answer(failed=guard.failed)
             plan: TurnPlan | None = None
             try:
-                plan = await self.plan(wire, raw, body, scope[0], guard)
+                plan = await self.plan(wire, raw, body, scope[0], guard, recalled)
                 route = self.router.route(plan, body, guard)
 
                 def outgoing(replica: Replica) -> Outgoing:  # the bytes depend on the replica's traits
@@ -156,7 +155,7 @@ class Pipeline:
                 with guard("report"):
                     self.reporter.report(wire.name, _model(body), body.get("stream") is True, plan, answer, duration)
         finally:
-            inflight.dec()
+            self.metrics.request_ended()
 
     # -- the stages ---------------------------------------------------------------------------
 
@@ -187,12 +186,17 @@ class Pipeline:
         """Keep the body, where its messages are and what they are, for the tenant's next turn."""
         if plan is not None and plan.match is not None and wire.name in RESENT_WIRES:
             with guard("identify"):
-                self.resent.remember(scope, raw, body, plan.match, recalled, tag=wire)
+                self.resent.remember(scope, raw, body, plan.match, recalled, tag=wire, clean=plan.clean)
 
-    async def plan(self, wire: Wire, raw: bytes, body: dict[str, Any], root: bytes, guard: FailOpen) -> TurnPlan:
+    async def plan(
+        self, wire: Wire, raw: bytes, body: dict[str, Any], root: bytes, guard: FailOpen, recalled: Recalled | None
+    ) -> TurnPlan:
         """Plan against the store's view; a shared store is filled (bounded rounds, within budget) and planned again."""
         view = self.store.view(root)
-        plan = wire.plan(raw, body, root, view, self.policy, self.memo, guard)
+        # A local store keeps a node's parents while it keeps the node: the match of a re-sent
+        # conversation's shared messages holds as long as its deepest node is stored.
+        known = recalled.known if recalled is not None and not self.store.shared else None
+        plan = wire.plan(raw, body, root, view, self.policy, self.memo, guard, known)
         if view.missing or (self.store.shared and plan.match is not None):
             with guard("store"):
                 async with asyncio.timeout(self.settings.store.timeout):

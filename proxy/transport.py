@@ -35,7 +35,7 @@ from typing import cast
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["ConnectFailed", "Disconnected", "Malformed", "Origin", "Response", "Transport"]
+__all__ = ["ConnectFailed", "Disconnected", "Malformed", "Origin", "Pool", "Response", "Transport"]
 
 HIGH_WATER = 256 * 1024
 """Decoded bytes buffered for a reader before the socket stops being read."""
@@ -195,6 +195,9 @@ class Response:
             if rest:
                 self._buffer.append(rest)
                 self._buffered += len(rest)
+            if self._decoder.cut_short:
+                self._fail(Malformed("the response body ends mid-stream"))
+                return
         self._done = True
         self._wake()
 
@@ -227,26 +230,32 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 class _Decoder:
     """gzip or zlib-wrapped deflate, or raw deflate (some servers send it as ``deflate``)."""
 
-    __slots__ = ("_obj", "_raw_tried", "_started")
+    __slots__ = ("_head", "_obj", "_wbits")
 
     def __init__(self, wbits: int) -> None:
-        self._obj = zlib.decompressobj(wbits)
-        self._started = False
-        self._raw_tried = wbits < 0
+        self._wbits = wbits
+        self._obj: zlib._Decompress | None = None
+        self._head = b""
 
     def decompress(self, data: bytes) -> bytes:
-        if not self._started:
-            self._started = True
-            try:
-                return self._obj.decompress(data)
-            except zlib.error:
-                if self._raw_tried:
-                    raise
-                self._obj = zlib.decompressobj(-zlib.MAX_WBITS)
+        if self._obj is None:
+            self._head += data
+            if len(self._head) < 2:
+                return b""  # too few bytes yet to tell a zlib header from raw deflate
+            data, self._head = self._head, b""
+            wbits = self._wbits
+            if wbits == zlib.MAX_WBITS and not (data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0):
+                wbits = -zlib.MAX_WBITS  # no zlib header (RFC 1950 2.2): raw deflate
+            self._obj = zlib.decompressobj(wbits)
         return self._obj.decompress(data)
 
     def flush(self) -> bytes:
-        return self._obj.flush()
+        return b"" if self._obj is None else self._obj.flush()
+
+    @property
+    def cut_short(self) -> bool:
+        """Bytes arrived but their stream did not end (a truncated body)."""
+        return bool(self._head) or (self._obj is not None and not self._obj.eof)
 
 
 def _decoder(encoding: str) -> _Decoder | None:
@@ -260,7 +269,7 @@ def _decoder(encoding: str) -> _Decoder | None:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection: requests written whole, responses parsed as they arrive."""
 
-    def __init__(self, pool: _Pool) -> None:
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
@@ -320,20 +329,24 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks --------------------------------------------------------------------
 
     def on_status(self, status: bytes) -> None:
-        self._reason = status.decode("latin-1")
+        self._reason += status.decode("latin-1")  # called once per piece of the line read
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None:
+            return  # a trailer of the response being received: not a header of the next one
         self._headers.add(name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
         if 100 <= status < 200:
             self._headers = CIMultiDict()  # an interim response (100 Continue): the real one follows
+            self._reason = ""
             return
         self.keep_alive = bool(self.parser.should_keep_alive())
         no_body = self.no_body or status in (204, 304)
         response = Response(self, status, self._reason, self._headers, no_body)
         self._headers = CIMultiDict()
+        self._reason = ""
         self.response = response
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
@@ -397,8 +410,8 @@ class _Connection(asyncio.Protocol):
         self.abort()
 
 
-class _Pool:
-    """The connections to one origin: the idle ones, most recently used first."""
+class Pool:
+    """The connections to one origin (:meth:`Transport.pool`): the idle ones, most recently used first."""
 
     def __init__(self, transport: Transport, origin: Origin) -> None:
         self.transport = transport
@@ -447,20 +460,21 @@ class Transport:
         self.limit = limit
         self.connect_timeout = connect_timeout
         self._ssl = ssl_context
-        self._pools: dict[Origin, _Pool] = {}
+        self._pools: dict[Origin, Pool] = {}
         self._open = 0
         self._busy = 0
         self._queue: collections.deque[asyncio.Future[None]] = collections.deque()
 
-    def _pool(self, origin: Origin) -> _Pool:
+    def pool(self, origin: Origin) -> Pool:
+        """The connections to ``origin``: what :meth:`request` sends on."""
         pool = self._pools.get(origin)
         if pool is None:
-            pool = self._pools[origin] = _Pool(self, origin)
+            pool = self._pools[origin] = Pool(self, origin)
         return pool
 
     async def request(
         self,
-        origin: Origin,
+        pool: Pool,
         method: str,
         target: str,
         headers: Iterable[tuple[str, str]],
@@ -472,11 +486,10 @@ class Transport:
         """Send one request, return its response once its headers arrived (at most ``within``
         seconds after it was sent; connecting has its own bound).
         ``fresh``: on a new connection, not an idle one."""
-        pool = self._pool(origin)
+        head = _head(method, target, pool.origin, headers, body)  # refused before a connection is taken
         conn = None if fresh else pool.take()
         if conn is None:
             conn = await self._connect(pool, fresh)
-        head = _head(method, target, origin, headers, body)
         waiter = conn.send(head, body, no_body=method == "HEAD")
         timer = self.loop.call_later(within, _expire_response, waiter)
         try:
@@ -487,7 +500,7 @@ class Transport:
         finally:
             timer.cancel()
 
-    async def _connect(self, pool: _Pool, fresh: bool) -> _Connection:
+    async def _connect(self, pool: Pool, fresh: bool) -> _Connection:
         """A new connection to ``pool``'s origin once fewer than ``limit`` are open (an idle one
         of another origin is closed to make room); an idle one of this origin freed meanwhile
         is taken instead, unless ``fresh``."""
@@ -509,6 +522,10 @@ class Transport:
                     self._queue.append(ticket)
                     try:
                         await ticket
+                    except BaseException:
+                        if ticket.done() and not ticket.cancelled():
+                            self.freed()  # granted but not taken: the next in line gets the slot
+                        raise
                     finally:
                         if ticket in self._queue:
                             self._queue.remove(ticket)
@@ -559,7 +576,6 @@ class Transport:
     async def close(self) -> None:
         """Close every connection and wait (a second at most) until they are closed."""
         closing = [lost for pool in self._pools.values() for lost in pool.close()]
-        self._pools.clear()
         if closing:
             await asyncio.wait(closing, timeout=1.0)
 

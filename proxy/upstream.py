@@ -50,6 +50,8 @@ HOP_BY_HOP = frozenset(
 )
 # Recomputed by aiohttp for the bytes actually sent.
 _REQUEST_DROP = HOP_BY_HOP | {hdrs.HOST.lower(), hdrs.CONTENT_LENGTH.lower(), hdrs.ACCEPT_ENCODING.lower()}
+# With upstream.api_key, no client credential travels.
+_KEYED_DROP = _REQUEST_DROP | {"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key", "x-goog-api-key"}
 # The relay sets the length of what it sends.
 _RESPONSE_DROP = HOP_BY_HOP | {hdrs.CONTENT_LENGTH.lower()}
 # A gzip or deflate body is decoded here (to observe usage): its encoding no longer applies.
@@ -68,9 +70,9 @@ def forward_request_headers(incoming: Mapping[str, str], api_key: str = "") -> C
     """The client's headers minus hop-by-hop ones. With ``api_key`` set, no client credential
     travels upstream (``Authorization``, ``Proxy-Authorization``, ``Cookie``, ``X-Api-Key``,
     ``api-key``, ``x-goog-api-key`` are removed) and ``Authorization`` carries ``api_key``."""
-    drop = _REQUEST_DROP | _connection_tokens(incoming)
-    if api_key:
-        drop |= {"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key", "x-goog-api-key"}
+    drop = _KEYED_DROP if api_key else _REQUEST_DROP
+    if hdrs.CONNECTION in incoming:
+        drop = drop | _connection_tokens(incoming)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in incoming.items():
         if name.lower() not in drop:
@@ -85,7 +87,9 @@ def forward_request_headers(incoming: Mapping[str, str], api_key: str = "") -> C
 def forward_response_headers(upstream: Mapping[str, str], decoded: bool = True) -> CIMultiDict[str]:
     """The upstream's response headers minus hop-by-hop and length headers, and minus the
     encoding of a body that was ``decoded`` on its way through."""
-    drop = (_DECODED_DROP if decoded else _RESPONSE_DROP) | _connection_tokens(upstream)
+    drop = _DECODED_DROP if decoded else _RESPONSE_DROP
+    if hdrs.CONNECTION in upstream:
+        drop = drop | _connection_tokens(upstream)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in upstream.items():
         if name.lower() not in drop:
@@ -129,7 +133,7 @@ class ReplicaSender:
         self._settings = settings
         self._base = URL(base_url.rstrip("/"))
         port = self._base.port
-        self._origin = Origin(self._base.raw_host or "", port if port is not None else 80, self._base.scheme == "https")
+        self._pool = transport.pool(Origin(self._base.raw_host or "", port if port is not None else 80, self._base.scheme == "https"))
         self._path = self._base.raw_path.rstrip("/")
         # first_byte_timeout bounds the wait for the response headers only; pauses inside a body
         # are idle_timeout's (read_chunk); total_timeout bounds both, from the request's start.
@@ -164,7 +168,7 @@ class ReplicaSender:
         for attempt in range(2):
             try:
                 response = await self._transport.request(
-                    self._origin, method, target, headers.items(), body, fresh=attempt > 0, within=self._first_byte
+                    self._pool, method, target, headers.items(), body, fresh=attempt > 0, within=self._first_byte
                 )
             except TimeoutError as exc:
                 raise UpstreamTimeout("the upstream did not answer in time") from exc

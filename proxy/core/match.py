@@ -65,6 +65,9 @@ class Match:
     message_dumped: tuple[bytes | None, ...] = ()
     """Per request message (when an identity memo was used): its ``orjson.dumps`` bytes, or None
     (also for a message the memo recognised as an object it holds)."""
+    clean: int = 0
+    """Leading messages a previous plan of these very objects found forwarding their stored
+    bytes (:class:`KnownPrefix`): repair need not compare them again."""
 
     @property
     def matched_messages(self) -> int:
@@ -75,6 +78,39 @@ class Match:
     def complete(self) -> bool:
         """The whole request is stored."""
         return self.matched == len(self.keys)
+
+
+@dataclass(frozen=True, slots=True)
+class KnownPrefix:
+    """How the first messages of a body re-sent byte for byte were matched the turn before.
+
+    :mod:`proxy.core.prefix` rebuilds such a body from a remembered one: its first ``messages``
+    are the very objects that body held, with the same tools value, so their identities and
+    chain keys are the remembered ``match``'s. Matching starts after them, provided they were
+    matched in order and the deepest of them is still stored (a parent is never evicted before
+    its children). The work of a re-sent turn is then proportional to its new messages.
+    """
+
+    messages: int
+    """Request messages ``0 .. messages-1`` are the remembered body's."""
+    match: Match
+    """The remembered body's match (its ``root`` and ``policy`` must be this request's)."""
+    clean: int
+    """Of them, the leading ones its plan found needing no repair."""
+    tools: Any
+    """The remembered body's ``tools`` value (the very object)."""
+    held: Sequence[Any]
+    """The remembered body's messages (the very objects)."""
+
+    def usable(self, body: Mapping[str, Any], root: bytes, policy: Policy) -> int:
+        """How many leading messages of ``body`` can be taken as matched (0: none)."""
+        m = self.match
+        k = min(self.messages, m.matched - 1, len(self.held))
+        if k <= 0 or m.root != root or m.policy != policy or body.get("tools") is not self.tools:
+            return 0
+        if len(m.message_ids) < k or m.order[:k] != tuple(range(k)):
+            return 0  # something before it moved or was collapsed: match it all again
+        return k
 
 
 def tool_groups(messages: Sequence[Any]) -> dict[int, int]:
@@ -190,39 +226,89 @@ def match_request(
     store: NodeReader,
     policy: Policy,
     memo: IdentityMemo | None = None,
+    known: KnownPrefix | None = None,
 ) -> Match:
     """Identify every element, chain the keys and find the longest stored prefix.
 
-    ``memo`` (optional, one per policy) remembers identities by exact message bytes.
+    ``memo`` (optional, one per policy) remembers identities by exact message bytes; ``known``
+    (with a memo) gives the match of the body's leading messages, as planned the turn before.
     """
     raw_messages = body.get("messages")
     messages: list[Any] = raw_messages if type(raw_messages) is list else []
     n = len(messages)
+    get = store.get
+    if known is not None and memo is not None:
+        k = known.usable(body, root, policy)
+        if 0 < k <= n and messages[k - 1] is known.held[k - 1] and get(known.match.keys[k]) is not None:
+            return _match_after(messages, known.match, k, known.clean, store, policy, memo)
 
     dumped: list[bytes | None] | None = [] if memo is not None else None
     msg_ids, sizes = identify_messages(messages, policy, memo, dumped)
 
-    get = store.get
     blake2b = hashlib.blake2b
-    # Elements of a remembered body (:mod:`proxy.core.prefix`) carry their last chain step.
-    held = memo._objects.get if memo is not None else None
     tools = body.get("tools")
     tools_id = memo.tools_identity(tools) if memo is not None else tools_identity(tools)
-    step = held(id(tools)) if held is not None else None
+    # Elements of a remembered body (:mod:`proxy.core.prefix`) carry their last chain step.
+    step = memo._objects.get(id(tools)) if memo is not None else None
     if step is not None and step.obj is tools and step.parent == root and step.key is not None:
         parent = step.key
     else:
         parent = blake2b(root + tools_id, digest_size=16).digest()
     node = get(parent)
-    matching = node is not None
-    keys = [parent]
     nodes: list[Node] = [node] if node is not None else []
-    order: list[int] = []
+    return _chain(messages, 0, [parent], nodes, [], node is not None, msg_ids, sizes, dumped, tools_id, root, store, policy, memo, 0)
 
+
+def _match_after(
+    messages: list[Any],
+    before: Match,
+    k: int,
+    clean: int,
+    store: NodeReader,
+    policy: Policy,
+    memo: IdentityMemo | None,
+) -> Match:
+    """:func:`match_request` for a body whose first ``k`` messages ``before`` matched in order."""
+    dumped: list[bytes | None] | None = list(before.message_dumped[:k]) if memo is not None else None
+    if dumped is not None and len(dumped) < k:
+        dumped = None
+    new_ids, new_sizes = identify_messages(messages[k:], policy, memo, dumped)
+    msg_ids = [*before.message_ids[:k], *new_ids]
+    sizes = [*before.message_sizes[:k], *new_sizes]
+    return _chain(
+        messages, k, list(before.keys[: k + 1]), list(before.nodes[: k + 1]), list(range(k)), True,
+        msg_ids, sizes, dumped, before.identities[0], before.root, store, policy, memo, min(clean, k),
+    )
+
+
+def _chain(
+    messages: list[Any],
+    i: int,
+    keys: list[bytes],
+    nodes: list[Node],
+    order: list[int],
+    matching: bool,
+    msg_ids: list[bytes],
+    sizes: list[int],
+    dumped: list[bytes | None] | None,
+    tools_id: bytes,
+    root: bytes,
+    store: NodeReader,
+    policy: Policy,
+    memo: IdentityMemo | None,
+    clean: int,
+) -> Match:
+    """Chain the keys of ``messages[i:]`` after ``keys`` (the elements before, ``order`` their
+    message indices), matching while ``matching``; the :class:`Match` of the whole body.
+    ``clean``: leading messages known to need no repair (while they keep their places)."""
+    n = len(messages)
+    get = store.get
+    blake2b = hashlib.blake2b
+    held = memo._objects.get if memo is not None else None
+    parent = keys[-1]
     rewrite = policy.repair
     collapse = rewrite and policy.collapse_duplicates
 
-    i = 0
     while i < n:
         ident = msg_ids[i]
         if (
@@ -259,6 +345,8 @@ def match_request(
         parent = key
         i += 1
 
+    if clean and order[:clean] != list(range(clean)):
+        clean = 0  # a tool-result group was put back in its stored order from before there
     return Match(
         root=root,
         identities=(tools_id, *[msg_ids[r] for r in order]),
@@ -272,6 +360,7 @@ def match_request(
         message_ids=tuple(msg_ids),
         message_sizes=tuple(sizes),
         message_dumped=tuple(dumped) if dumped is not None else (),
+        clean=clean,
     )
 
 

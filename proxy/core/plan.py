@@ -21,7 +21,7 @@ from typing import Any
 from .breaks import Break, diagnose
 from .guard import STRICT, Guard
 from .identity import IdentityMemo
-from .match import Match, match_request, new_nodes
+from .match import KnownPrefix, Match, match_request, new_nodes
 from .model import NodeReader, SessionTotals, TurnWrite
 from .policy import Policy
 from .pricing import Cost
@@ -55,6 +55,9 @@ class TurnPlan:
     refused: str = ""
     """Why a planned repair could not be spliced into the client's bytes (a
     :data:`~proxy.core.splice.REFUSALS` reason): the request is then planned and forwarded unrepaired."""
+    clean: int = 0
+    """Leading matched messages repair compared with their stored bytes and left as they are
+    (0 when repair is off or failed): the next turn need not compare them again."""
 
     @property
     def matched_messages(self) -> int:
@@ -75,14 +78,16 @@ def plan_turn(
     memo: IdentityMemo | None = None,
     guard: Guard = STRICT,
     raw: bytes | None = None,
+    known: KnownPrefix | None = None,
 ) -> TurnPlan:
     """Match ``body`` against the tree, plan its repair and diagnose its break. Never mutates ``body``.
 
     With the client's ``raw`` bytes, a repair is spliced into them; where that cannot keep every
     other byte's meaning (duplicate keys, numbers that would not survive), the request is planned
-    again without repair (``refused`` says why).
+    again without repair (``refused`` says why). ``known``: how the body's leading messages were
+    matched the turn before (a body re-sent byte for byte, :mod:`proxy.core.prefix`).
     """
-    plan = _plan(body, root, reader, policy, memo, guard)
+    plan = _plan(body, root, reader, policy, memo, guard, known)
     if raw is None or not plan.repair.repairs:
         return plan
     spliced = try_splice(raw, plan.repair.edits)
@@ -93,16 +98,26 @@ def plan_turn(
 
 
 def _plan(
-    body: Mapping[str, Any], root: bytes, reader: NodeReader, policy: Policy, memo: IdentityMemo | None, guard: Guard
+    body: Mapping[str, Any],
+    root: bytes,
+    reader: NodeReader,
+    policy: Policy,
+    memo: IdentityMemo | None,
+    guard: Guard,
+    known: KnownPrefix | None = None,
 ) -> TurnPlan:
     match: Match | None = None
     repair = NO_REPAIR
     brk: Break | None = None
     with guard("match"):
-        match = match_request(body, root, reader, policy, memo)
+        match = match_request(body, root, reader, policy, memo, known)
+    clean = 0
     if match is not None:
         with guard("repair"):
             repair = plan_repair(body, match, policy)
+            if policy.repair:
+                repaired = [r.depth for r in repair.repairs if r.depth >= 1]
+                clean = min(repaired) - 1 if repaired else match.matched_messages
         with guard("diagnose"):
             brk = diagnose(body, match, reader)
     messages = body.get("messages")
@@ -113,6 +128,7 @@ def _plan(
         brk=brk,
         forwarded=repair.body if repair.body is not None else body,
         messages=len(messages) if isinstance(messages, list) else 0,
+        clean=clean,
     )
 
 

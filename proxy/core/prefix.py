@@ -36,7 +36,7 @@ from typing import Any
 import orjson
 
 from .identity import IdentityMemo
-from .match import Match
+from .match import KnownPrefix, Match
 from .splice import _Refused, _skip_value
 
 __all__ = ["PrefixMemo", "Recalled"]
@@ -70,13 +70,26 @@ class Recalled:
     ends: list[int] | None = None
     """Where each new message ends, when they were delimited to rebuild the body."""
 
+    @property
+    def known(self) -> KnownPrefix | None:
+        """How the shared messages were matched the turn before (None: not known)."""
+        source = self.source
+        if source.match is None:
+            return None
+        return KnownPrefix(self.shared, source.match, source.clean, source.top.get("tools"), source.messages)
+
 
 class _Body:
     """One remembered body."""
 
-    __slots__ = ("before", "close", "cost", "ends", "first_key", "messages", "raw", "start", "tag", "tools", "top", "view")
+    __slots__ = (
+        "before", "clean", "close", "cost", "ends", "first_key", "match", "messages", "raw", "start", "tag",
+        "tools", "top", "view",
+    )
 
-    def __init__(self, raw: bytes, start: int, ends: list[int], close: int, top: dict[str, Any], tag: Any) -> None:
+    def __init__(
+        self, raw: bytes, start: int, ends: list[int], close: int, top: dict[str, Any], tag: Any, source: _Body | None = None
+    ) -> None:
         self.raw = raw
         self.view = memoryview(raw)
         self.start = start
@@ -86,14 +99,19 @@ class _Body:
         self.close = close
         """Offset of the ``]`` that closes the array."""
         self.top = top
-        # The members before the array, in order: the same in every body rebuilt from this one.
-        # Unknown (None) when the bytes before it might name "messages" twice.
-        head = raw[:start]
-        self.before = (
-            list(itertools.takewhile(lambda item: item[0] != "messages", top.items()))
-            if head.count(b'"messages"') == 1 and b"\\u" not in head
-            else None
-        )
+        # The members before the array, in order: the same in every body rebuilt from this one
+        # (``source``, whose bytes up to the array these are). Unknown (None) when the bytes
+        # before it might name "messages" twice.
+        self.before: list[tuple[str, Any]] | None
+        if source is not None:
+            self.before = source.before
+        else:
+            head = raw[:start]
+            self.before = (
+                list(itertools.takewhile(lambda item: item[0] != "messages", top.items()))
+                if head.count(b'"messages"') == 1 and b"\\u" not in head
+                else None
+            )
         self.messages: list[Any] = top["messages"]
         """Held in the identity memo, as long as this body is kept."""
         self.tools: Any = None
@@ -101,7 +119,12 @@ class _Body:
         self.first_key = b""
         """The chain key of element 0 (the tools) when it was remembered."""
         self.tag = tag
-        self.cost = 2 * len(raw) + IdentityMemo.HELD_OVERHEAD * (len(self.messages) + 1) + 512
+        self.match: Match | None = None
+        """How this body was matched (the next body's :class:`~proxy.core.match.KnownPrefix`)."""
+        self.clean = 0
+        """Its leading messages that needed no repair."""
+        # The bytes, the parsed values and the match's serialized messages: about its size each.
+        self.cost = 3 * len(raw) + IdentityMemo.HELD_OVERHEAD * (len(self.messages) + 1) + 512
 
     def same(self, raw: bytes, k: int) -> bool:
         """``raw`` has this body's first ``k`` messages, byte for byte. The bytes just before the
@@ -235,10 +258,12 @@ class PrefixMemo:
         match: Match,
         recalled: Recalled | None = None,
         tag: Any = None,
+        clean: int = 0,
     ) -> bool:
         """Keep ``body`` (parsed from ``raw``, planned into ``match`` with this memo's identity
-        memo) for the next bodies of ``scope``. ``recalled``: how it was rebuilt, if it was.
-        False when it cannot be kept (not located, too large, no messages)."""
+        memo) for the next bodies of ``scope``. ``recalled``: how it was rebuilt, if it was;
+        ``clean``: its leading messages the plan found needing no repair. False when it cannot
+        be kept (not located, too large, no messages)."""
         messages = body.get("messages")
         if (
             type(messages) is not list
@@ -257,13 +282,14 @@ class PrefixMemo:
                 located = _locate(raw, recalled.cut, messages, k, match.message_dumped, first=False)
             if located is None or located[1] != recalled.close or len(located[0]) != len(messages) - k:
                 return False
-            entry = _Body(raw, source.start, source.ends[:k] + located[0], recalled.close, recalled.body, recalled.tag)
-            if bodies is not None and source in bodies and k >= len(source.ends) - 1:
+            entry = _Body(raw, source.start, source.ends[:k] + located[0], recalled.close, recalled.body, recalled.tag, source)
+            replaced = _replaced(bodies, source, entry, k) if bodies is not None else None
+            if bodies is not None and replaced is not None:
                 # The session went on (or changed its last turn): this body takes the place of the
                 # one it continues, and the messages they share stay held as they are.
-                bodies.remove(source)
-                self._size -= source.cost
-                self._hold(entry, match, k, source)
+                bodies.remove(replaced)
+                self._size -= replaced.cost
+                self._hold(entry, match, k, replaced)
             else:
                 self._hold(entry, match, 0, None)
         else:
@@ -276,6 +302,9 @@ class PrefixMemo:
             bodies = self._scopes[scope] = []
         else:
             self._scopes.move_to_end(scope)
+        entry.match = match
+        # The last message is compared as the final one when it is: not once it is followed.
+        entry.clean = min(clean, len(messages) - 1)
         bodies.insert(0, entry)
         self._size += entry.cost
         while len(bodies) > self.MAX_BODIES:
@@ -302,7 +331,11 @@ class PrefixMemo:
         # The chain steps of the messages passed over are still right unless the chain starts
         # elsewhere now (other tools): each step is a pure function of its parent and identity.
         settled = kept if source is not None and source.first_key == keys[0] else 0
-        for p, r in enumerate(match.order):
+        order = match.order
+        # In order up to there (the usual case): only the steps past it are visited.
+        first = settled if order[:settled] == tuple(range(settled)) else 0
+        for p in range(first, len(order)):
+            r = order[p]
             if r >= settled:
                 step = memo.held(messages[r])
                 if step is not None:
@@ -326,6 +359,20 @@ class PrefixMemo:
             self.memo.release(msg)
         if body.tools is not None:
             self.memo.release(body.tools)
+
+
+def _replaced(bodies: list[_Body], source: _Body, entry: _Body, k: int) -> _Body | None:
+    """The kept body ``entry`` takes the place of: the one it was rebuilt from, when ``entry``
+    continues it or changes its last turn; else (that one was replaced meanwhile, by a request
+    answered in parallel) a recent one holding the same first ``k`` message objects and at most
+    one more. None: ``entry`` is kept beside the others."""
+    if k >= len(source.ends) - 1 and source in bodies:
+        return source
+    mark = entry.messages[k - 1]
+    for body in bodies[:PrefixMemo.SEARCHED]:
+        if k <= len(body.messages) <= k + 1 and body.messages[k - 1] is mark and body.first_key == source.first_key:
+            return body
+    return None
 
 
 def _delimit(raw: bytes, pos: int) -> tuple[list[int], int] | None:

@@ -100,7 +100,7 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
     nodes = match.nodes
     sizes = match.clean_sizes
     dumped = match.dumped
-    for p in range(min(match.matched - 1, len(order))):
+    for p in range(max(0, min(match.clean, last)), min(match.matched - 1, len(order))):
         msg = messages[order[p]]
         node = nodes[p + 1]
         size = sizes[p + 1] if p + 1 < len(sizes) else -1

@@ -49,7 +49,7 @@ from .memory_costs import (
 )
 from .memory_eviction import LOW_WATER_MAX, LOW_WATER_SHARE, evict_leaves, low_water
 from .memory_index import NodeIndex, entries
-from .memory_sessions import SessionTable
+from .memory_sessions import SessionTable, copy_totals
 
 __all__ = [
     "BLOB_HASH_SIZE",
@@ -234,7 +234,7 @@ class MemoryStore:
         self._on_totals(leaf, combined)
         if self._bytes > self._max_bytes:
             self._evict(low_water(self._max_bytes), _NEVER)
-        return replace(combined)
+        return copy_totals(combined)
 
     def evict(self, now: float) -> int:
         """Drop nodes unused for ``ttl`` and, over the budget, least-recently-used leaves.

@@ -10,7 +10,6 @@ ties on ``updated`` list the latest first; its ``bytes`` are counted at the size
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 
 from ..core.model import Node, SessionTotals
 from .base import SessionInfo
@@ -31,7 +30,7 @@ class SessionTable:
     def get(self, leaf: bytes) -> SessionTotals | None:
         """A copy of the totals at ``leaf`` (the table's own objects are never handed out)."""
         found = self.totals.get(leaf)
-        return None if found is None else replace(found)
+        return None if found is None else copy_totals(found)
 
     def listing(self, nodes: Mapping[bytes, Node], tenant: bytes | None) -> list[SessionInfo]:
         """Sessions (of ``tenant``, or all), most recently updated first."""
@@ -39,7 +38,7 @@ class SessionTable:
         for leaf, totals in reversed(self.totals.items()):
             node = nodes[leaf]
             if tenant is None or node.tenant == tenant:
-                out.append(SessionInfo(leaf=leaf, tenant=node.tenant, depth=node.depth, totals=replace(totals)))
+                out.append(SessionInfo(leaf=leaf, tenant=node.tenant, depth=node.depth, totals=copy_totals(totals)))
         out.sort(key=lambda info: info.totals.updated, reverse=True)
         return out
 
@@ -55,7 +54,8 @@ class SessionTable:
         if parent_leaf is not None and parent_leaf != leaf:
             moved = self.totals.get(parent_leaf)
         current = self.totals.get(leaf)
-        combined = combine(combine(moved, current), turn)
+        before = combine(moved, current) if moved is not None else current
+        combined = combine(before, turn)
         if combined.created == 0.0:
             combined.created = now
         if not keep:
@@ -93,9 +93,9 @@ class SessionTable:
 def combine(a: SessionTotals | None, b: SessionTotals | None) -> SessionTotals:
     """The totals of two runs of turns, ``b`` being the later one."""
     if a is None:
-        return SessionTotals() if b is None else replace(b)
+        return SessionTotals() if b is None else copy_totals(b)
     if b is None:
-        return replace(a)
+        return copy_totals(a)
     created = [t for t in (a.created, b.created) if t]
     return SessionTotals(
         turns=a.turns + b.turns,
@@ -110,4 +110,12 @@ def combine(a: SessionTotals | None, b: SessionTotals | None) -> SessionTotals:
         model=b.model or a.model,
         created=min(created) if created else 0.0,
         updated=max(a.updated, b.updated),
+    )
+
+
+def copy_totals(t: SessionTotals) -> SessionTotals:
+    """A copy of ``t`` (``dataclasses.replace`` introspects the fields on every call)."""
+    return SessionTotals(
+        t.turns, t.prompt_tokens, t.cached_tokens, t.completion_tokens, t.unknown_cache_turns,
+        t.cost_usd, t.billed, t.repaired, t.last_break, t.model, t.created, t.updated,
     )

@@ -24,6 +24,7 @@ import orjson
 
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
+from ..core.match import KnownPrefix
 from ..core.model import NodeReader
 from ..core.plan import TurnPlan
 from ..core.policy import Policy
@@ -128,6 +129,7 @@ class Wire(Protocol):
         policy: Policy,
         memo: IdentityMemo | None,
         guard: Guard,
+        known: KnownPrefix | None = None,
     ) -> TurnPlan: ...
 
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing: ...

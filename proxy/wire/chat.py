@@ -23,6 +23,7 @@ import orjson
 
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
+from ..core.match import KnownPrefix
 from ..core.model import NodeReader
 from ..core.plan import TurnPlan, plan_turn
 from ..core.policy import Policy
@@ -59,8 +60,9 @@ class ChatWire:
         policy: Policy,
         memo: IdentityMemo | None,
         guard: Guard,
+        known: KnownPrefix | None = None,
     ) -> TurnPlan:
-        return plan_turn(body, root, reader, policy, memo, guard, raw)
+        return plan_turn(body, root, reader, policy, memo, guard, raw, known)
 
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing:
         """The client's bytes, with the repair spliced in and, for a stream that did not ask for

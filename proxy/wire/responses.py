@@ -55,6 +55,7 @@ import orjson
 
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
+from ..core.match import KnownPrefix
 from ..core.model import NodeReader
 from ..core.plan import TurnPlan, plan_turn
 from ..core.policy import Policy
@@ -219,6 +220,7 @@ class ResponsesWire:
         policy: Policy,
         memo: IdentityMemo | None,
         guard: Guard,
+        known: KnownPrefix | None = None,
     ) -> TurnPlan:
         chat, view = _chat_body(body)
         if body.get("previous_response_id") or body.get("input") is None:

@@ -208,3 +208,33 @@ def test_memory_stays_bounded_and_held_objects_are_released() -> None:
     kept = sum(len(b.messages) + (b.tools is not None) for bodies in memo._scopes.values() for b in bodies)
     assert 0 < held <= kept, "objects stay held only as long as a remembered body holds them"
     assert len(memo) <= 50 * PrefixMemo.MAX_BODIES
+
+
+def test_parallel_answers_of_one_conversation_keep_one_body_and_exact_holds() -> None:
+    """Requests answered in parallel, each the same history with its own last turn, are all
+    rebuilt from one remembered body; each one kept replaces the one before (its last turn
+    released, the shared messages passed over as held), so the memo holds one body whose
+    message objects are held exactly once -- not one more full copy per parallel request."""
+    identity = IdentityMemo()
+    memo = PrefixMemo(identity)
+    store = MemoryStore(3600, 1 << 30)
+    history = [{"role": "system", "content": "be brief"}, *[
+        {"role": "user" if i % 2 else "assistant", "content": f"turn {i}"} for i in range(1, 40)
+    ]]
+
+    def body_of(last: str) -> bytes:
+        return orjson.dumps({"model": "m", "messages": [*history, {"role": "user", "content": last}]})
+
+    assert remembered(memo, body_of("first"), store)
+    planned = []
+    for i in range(8):  # all recalled before any is remembered, as under concurrency
+        raw = body_of(f"parallel {i}")
+        recalled = memo.recall(SCOPE, raw)
+        assert recalled is not None and recalled.shared == len(history)
+        planned.append((raw, recalled, match_request(recalled.body, ROOT, store, Policy(), identity)))
+    for raw, recalled, match in planned:
+        assert memo.remember(SCOPE, raw, recalled.body, match, recalled)
+    (kept,) = memo._scopes[SCOPE]
+    assert kept.messages[-1]["content"] == "parallel 7"
+    assert all(identity._objects[id(m)].refs == 1 for m in kept.messages)
+    assert len(identity._objects) == len(kept.messages)

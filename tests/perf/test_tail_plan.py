@@ -3,7 +3,8 @@
 Two planners see the same bytes, turn after turn, from the agents of :mod:`tests.agents`:
 
 * **tail**: what the request path does -- :meth:`PrefixMemo.recall` (the body rebuilt from the
-  tenant's previous body and its own new bytes), the plan, then :meth:`PrefixMemo.remember`;
+  tenant's previous body and its own new bytes), the plan from where the previous body's match
+  left off (:class:`~proxy.core.match.KnownPrefix`), then :meth:`PrefixMemo.remember`;
 * **full**: ``orjson.loads`` of the whole body, the plan with an identity memo of its own.
 
 Each keeps its own store and records the same reply after every turn. Whatever the drift (every
@@ -112,6 +113,9 @@ class Planner:
         """Requests whose first message is one a recent request of the scope sent too: the tail
         path must be taken for exactly those (it needs one shared message)."""
         self._heads: list[bytes] = []
+        self.known = 0
+        """Plans that started from the previous turn's match (:class:`KnownPrefix`) and skipped
+        repair's comparison of messages it found clean."""
 
     def plan(self, raw: bytes, root: bytes) -> tuple[dict[str, Any], TurnPlan]:
         recalled = self.resent.recall(("scope", root), raw) if self.resent is not None else None
@@ -121,9 +125,11 @@ class Planner:
         head = orjson.dumps(body["messages"][0]) if body["messages"] else b""
         self.continuable += head in self._heads[-PrefixMemo.MAX_BODIES :]
         self._heads.append(head)
-        plan = plan_turn(body, root, self.store.view(root), self.policy, self.memo, raw=raw)
+        known = recalled.known if recalled is not None else None
+        plan = plan_turn(body, root, self.store.view(root), self.policy, self.memo, raw=raw, known=known)
+        self.known += known is not None and plan.match is not None and plan.match.clean > 0
         if self.resent is not None and plan.match is not None:
-            self.resent.remember(("scope", root), raw, body, plan.match, recalled)
+            self.resent.remember(("scope", root), raw, body, plan.match, recalled, clean=plan.clean)
         return body, plan
 
     def record(self, plan: TurnPlan, reply: dict[str, Any]) -> None:
@@ -143,6 +149,7 @@ def same_plan(tail: TurnPlan, full: TurnPlan) -> None:
         assert [n.key for n in a.nodes] == [n.key for n in b.nodes]
         assert a.clean_sizes == b.clean_sizes
         assert a.message_ids == b.message_ids
+        assert a.message_sizes == b.message_sizes
     assert tail.repair.repairs == full.repair.repairs
     assert tail.repair.edits == full.repair.edits
     assert tail.repair.rescued_tokens == full.repair.rescued_tokens
@@ -232,6 +239,8 @@ def test_every_drift_class_takes_the_tail_path() -> None:
         for serializer in SERIALIZERS:
             tail, _ = run_agent(drift, serializer, shapes, Policy())
             assert tail.recalled == tail.continuable, (drift, serializer)
+            # And past two rebuilt turns, some plan starts from the previous turn's match.
+            assert tail.known > 0 or tail.recalled < 2, (drift, serializer)
             if drift not in ("system_stamped", "content_as_parts", "varying", "resumed", "whitespace_stripped"):
                 # The system prompt never changes: every request after the first takes the tail path.
                 assert tail.recalled == tail.planned - 1, (drift, serializer)
@@ -254,6 +263,9 @@ def test_no_drift_parses_only_the_new_messages() -> None:
         return {"choices": [{"index": 0, "message": reply, "finish_reason": "stop"}]}
 
     asyncio.run(Agent(post=post).run(6))
+    # From the third turn on, each plan starts where the previous one's match ended (the
+    # previous turn's new messages were not stored yet when it was planned: matched here).
+    assert tail.known == len(bodies) - 2
     for before, after in itertools.pairwise(bodies):
         shared = len(before["messages"])
         assert all(a is b for a, b in zip(after["messages"][:shared], before["messages"], strict=True))

@@ -1,0 +1,996 @@
+"""kvwarm's HTTP/1.1 client (``proxy.transport``) on real sockets, against a raw upstream that
+writes exactly the bytes each test scripts: how response bodies are framed and decoded, which
+connections are reused, the pool limit, flow control, malformed responses, timeouts, the
+request head it writes, and closing."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hashlib
+import os
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import suppress
+from dataclasses import dataclass
+
+import pytest
+
+from proxy.transport import (
+    HIGH_WATER,
+    ConnectFailed,
+    Disconnected,
+    Malformed,
+    Origin,
+    Response,
+    Transport,
+)
+
+WAIT = 1.0
+"""Bound on any single wait that should succeed: a hang fails the test, never blocks the suite."""
+SHORT = 0.2
+"""The timeout under test where one is."""
+SOCKET_READ = 256 * 1024
+"""The most asyncio's selector transports read from a socket in one ``data_received``
+(``_SelectorSocketTransport.max_size``)."""
+
+
+# -- a scripted upstream --------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """One request as the upstream read it off the wire."""
+
+    method: str
+    target: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    connection: int
+    """Which accepted connection (1-based) it came on."""
+    nth: int
+    """Its place (1-based) among the requests on that connection."""
+
+    def header(self, name: str) -> str | None:
+        values = [v for k, v in self.headers if k.lower() == name.lower()]
+        assert len(values) <= 1, f"{name} sent {len(values)} times"
+        return values[0] if values else None
+
+
+Reply = Callable[[Request, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool | None]]
+"""Writes the response to one request; returns False to close the connection after it."""
+
+
+class RawUpstream:
+    """An HTTP/1.1 server on asyncio streams: reads requests (``Content-Length`` bodies), lets
+    ``reply`` write the exact response bytes, and counts connections as they come and go."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.requests: list[Request] = []
+        self.accepted = 0
+        self.open = 0
+        self.peak = 0
+        """The most connections open at once."""
+        self.eofs = 0
+        """Connections the client closed (EOF or reset seen while reading)."""
+        self.hung_up = asyncio.Event()
+        """Set at each EOF counted in ``eofs``."""
+        self.server: asyncio.Server | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def origin(self) -> Origin:
+        assert self.server is not None
+        return Origin("127.0.0.1", self.server.sockets[0].getsockname()[1], False)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        self.accepted += 1
+        number, nth = self.accepted, 0
+        self.open += 1
+        self.peak = max(self.peak, self.open)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    self._count_eof()
+                    break
+                lines = head.decode("latin-1").split("\r\n")
+                method, target, _ = lines[0].split(" ", 2)
+                headers = [(k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in lines[1:] if line)]
+                length = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
+                nth += 1
+                request = Request(method, target, headers, await reader.readexactly(length), number, nth)
+                self.requests.append(request)
+                keep = await self.reply(request, reader, writer)
+                if reader.at_eof():  # the reply waited for the client to hang up
+                    self._count_eof()
+                    break
+                if keep is False:
+                    break
+                await writer.drain()
+        except ConnectionError:
+            self._count_eof()
+        finally:
+            self.open -= 1
+            writer.close()
+            with suppress(ConnectionError):
+                await writer.wait_closed()
+
+    def _count_eof(self) -> None:
+        self.eofs += 1
+        self.hung_up.set()
+
+    async def until_eofs(self, count: int) -> None:
+        """Wait (at most WAIT) until the client closed ``count`` connections."""
+        async with asyncio.timeout(WAIT):
+            while self.eofs < count:
+                self.hung_up.clear()
+                await self.hung_up.wait()
+
+
+Serve = Callable[[Reply], Awaitable[RawUpstream]]
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Serve]:
+    """``await serve(reply)``: a started :class:`RawUpstream` on 127.0.0.1."""
+    upstreams: list[RawUpstream] = []
+
+    async def start(reply: Reply) -> RawUpstream:
+        upstream = RawUpstream(reply)
+        upstream.server = await asyncio.start_server(upstream.handle, "127.0.0.1", 0)
+        upstreams.append(upstream)
+        return upstream
+
+    yield start
+    for upstream in upstreams:
+        assert upstream.server is not None
+        upstream.server.close()
+        await upstream.server.wait_closed()
+        if upstream.tasks:  # a handler still stalled on purpose ends here
+            _, pending = await asyncio.wait(upstream.tasks, timeout=WAIT)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+MakeTransport = Callable[..., Transport]
+
+
+@pytest.fixture
+async def make_transport(serve: Serve) -> AsyncIterator[MakeTransport]:
+    """``make_transport(limit=8, connect_timeout=WAIT)``; each is closed before the upstreams
+    (this fixture depends on ``serve`` so that it is torn down first)."""
+    transports: list[Transport] = []
+
+    def make(limit: int = 8, connect_timeout: float = WAIT) -> Transport:
+        transport = Transport(limit=limit, connect_timeout=connect_timeout)
+        transports.append(transport)
+        return transport
+
+    yield make
+    for transport in transports:
+        await transport.close()
+
+
+@pytest.fixture
+async def transport(make_transport: MakeTransport) -> Transport:
+    return make_transport()
+
+
+def message(
+    body: bytes = b"",
+    *headers: str,
+    status: str = "200 OK",
+    version: str = "HTTP/1.1",
+    length: bool = True,
+) -> bytes:
+    """A response's exact bytes; ``length`` adds ``Content-Length`` for ``body``."""
+    lines = [f"{version} {status}", *headers]
+    if length:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8") + body
+
+
+def chunked(*chunks: bytes) -> bytes:
+    """A chunked body of ``chunks``, then the last chunk."""
+    return b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+
+
+def answer(*responses: bytes, close: bool = False) -> Reply:
+    """Write ``responses[n-1]`` to a connection's n-th request (the last one beyond);
+    ``close``: close the connection after each."""
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(responses[min(request.nth, len(responses)) - 1])
+        return not close
+
+    return reply
+
+
+async def write_in_pieces(writer: asyncio.StreamWriter, data: bytes, size: int) -> None:
+    """``data`` in writes of ``size`` bytes, a millisecond apart (so that the client reads
+    them one by one: on loopback each is readable at once)."""
+    for at in range(0, len(data), size):
+        if at:
+            await asyncio.sleep(0.001)
+        writer.write(data[at : at + size])
+        await writer.drain()
+
+
+async def hang(reader: asyncio.StreamReader) -> None:
+    """Answer nothing more until the client closes the connection."""
+    while await reader.read(65536):
+        pass
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait (at most WAIT) until ``condition()`` holds."""
+    for _ in range(int(WAIT / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise TimeoutError("the condition never held")
+
+
+async def read_all(response: Response, within: float = WAIT) -> bytes:
+    parts = []
+    while chunk := await response.read_chunk(within):
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def send(
+    transport: Transport,
+    upstream: RawUpstream,
+    method: str = "GET",
+    target: str = "/v1/x",
+    headers: Iterable[tuple[str, str]] = (),
+    body: bytes = b"",
+    *,
+    fresh: bool = False,
+    within: float = WAIT,
+) -> Response:
+    """``transport.request`` to ``upstream``'s pool."""
+    return await transport.request(transport.pool(upstream.origin), method, target, headers, body, fresh=fresh, within=within)
+
+
+async def fetch(
+    transport: Transport, upstream: RawUpstream, method: str = "GET", headers: Iterable[tuple[str, str]] = (), body: bytes = b""
+) -> tuple[Response, bytes]:
+    """One whole exchange: the response (released) and its body."""
+    response = await send(transport, upstream, method, "/v1/x", headers, body)
+    try:
+        return response, await read_all(response)
+    finally:
+        response.release()
+
+
+# -- framing ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [5, 700_000], ids=["small", "many-reads"])
+async def test_a_content_length_body_is_read_whole_and_its_connection_reused(
+    serve: Serve, transport: Transport, size: int
+) -> None:
+    body = os.urandom(size)
+    upstream = await serve(answer(message(body, "Content-Type: Application/Octet-Stream; x=1")))
+    response, got = await fetch(transport, upstream)
+    assert got == body
+    assert (response.status, response.reason, response.content_length) == (200, "OK", size)
+    assert response.content_type == "application/octet-stream"
+    assert response.complete and not response.decoded
+    _, again = await fetch(transport, upstream)
+    assert again == body
+    assert upstream.accepted == 1
+
+
+CHUNKED_WITH_EXTENSIONS = (
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Checksum\r\n\r\n"
+    b"5;name=value\r\nhello\r\n"
+    b"1;flag;quoted=\"a b\"\r\n \r\n"
+    b"6\r\nworld!\r\n"
+    b"0;last=1\r\nX-Checksum: abc\r\nX-Other: o\r\n\r\n"
+)
+
+
+@pytest.mark.parametrize("piece", [len(CHUNKED_WITH_EXTENSIONS), 1, 7], ids=["one-write", "byte-by-byte", "7-bytes"])
+async def test_a_chunked_body_with_extensions_and_trailers_is_read_whole(
+    serve: Serve, transport: Transport, piece: int
+) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await write_in_pieces(writer, CHUNKED_WITH_EXTENSIONS if request.nth == 1 else message(b"next"), piece)
+
+    upstream = await serve(reply)
+    response, body = await fetch(transport, upstream)
+    assert body == b"hello world!"
+    assert response.complete and response.content_length is None
+    assert "X-Checksum" not in response.headers  # trailers are not response headers
+    _, second = await fetch(transport, upstream)
+    assert second == b"next"
+    assert upstream.accepted == 1
+
+
+async def test_trailers_do_not_leak_into_the_next_response_on_the_connection(serve: Serve, transport: Transport) -> None:
+    upstream = await serve(answer(CHUNKED_WITH_EXTENSIONS, message(b"next", "X-Next: 1")))
+    await fetch(transport, upstream)
+    second, _ = await fetch(transport, upstream)
+    assert upstream.accepted == 1
+    assert sorted(second.headers) == ["Content-Length", "X-Next"]
+
+
+@pytest.mark.parametrize("piece", [0, 3], ids=["one-write", "3-bytes"])
+@pytest.mark.parametrize("version", ["HTTP/1.1", "HTTP/1.0"])
+async def test_a_body_delimited_by_close_is_complete_when_the_server_closes(
+    serve: Serve, transport: Transport, piece: int, version: str
+) -> None:
+    body = b"no length, not chunked: the close ends me"
+    raw = message(body, "Content-Type: text/plain", version=version, length=False)
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await write_in_pieces(writer, raw, piece or len(raw))
+        return False
+
+    upstream = await serve(reply)
+    response, got = await fetch(transport, upstream)
+    assert got == body
+    assert response.complete and response.content_length is None
+    _, again = await fetch(transport, upstream)
+    assert again == body
+    assert upstream.accepted == 2
+
+
+async def test_an_empty_content_length_body_ends_at_once_and_its_connection_is_reused(
+    serve: Serve, transport: Transport
+) -> None:
+    upstream = await serve(answer(message(b"", status="201 Created")))
+    response = await send(transport, upstream, "POST", "/v1/x", (), b"{}")
+    assert response.complete  # before any read
+    assert await response.read_chunk(WAIT) == b""
+    response.release()
+    _, body = await fetch(transport, upstream)
+    assert body == b""
+    assert upstream.accepted == 1
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        message(status="204 No Content", length=False),
+        message(b"", "ETag: \"v1\"", "Content-Length: 42", status="304 Not Modified", length=False),
+        message(b"", "ETag: \"v1\"", status="304 Not Modified", length=False),
+    ],
+    ids=["204", "304-with-length", "304"],
+)
+async def test_204_and_304_have_no_body_and_keep_the_connection(serve: Serve, transport: Transport, head: bytes) -> None:
+    upstream = await serve(answer(head, message(b"after")))
+    response = await send(transport, upstream)
+    assert response.status in (204, 304)
+    assert response.complete
+    assert await asyncio.wait_for(response.read_chunk(5.0), SHORT) == b""
+    response.release()
+    _, body = await fetch(transport, upstream)
+    assert body == b"after"
+    assert upstream.accepted == 1
+
+
+# -- HEAD ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("head", "length"),
+    [(message(b"", "Content-Length: 1234", length=False), 1234), (message(b"", "Transfer-Encoding: chunked", length=False), None)],
+    ids=["content-length", "chunked"],
+)
+async def test_a_head_response_has_no_body_and_the_next_request_goes_on_a_new_connection(
+    serve: Serve, transport: Transport, head: bytes, length: int | None
+) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(head if request.method == "HEAD" else message(b"got"))
+
+    upstream = await serve(reply)
+    response = await send(transport, upstream, "HEAD")
+    assert response.status == 200 and response.complete
+    assert response.content_length == length  # the announced length, of a body that does not come
+    assert await asyncio.wait_for(response.read_chunk(5.0), SHORT) == b""
+    response.release()
+    await upstream.until_eofs(1)  # the HEAD connection is closed, not pooled
+    _, body = await fetch(transport, upstream)
+    assert body == b"got"
+    assert upstream.accepted == 2
+
+
+# -- interim responses --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-write", "interim-first"])
+@pytest.mark.parametrize(
+    "interim",
+    [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\nX-Interim: 1\r\n\r\n"],
+    ids=["100", "103"],
+)
+async def test_an_interim_response_is_skipped(serve: Serve, transport: Transport, split: bool, interim: bytes) -> None:
+    final = message(b"real", "X-Final: yes", status="201 Created")
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if request.nth > 1:
+            writer.write(message(b"second"))
+        elif split:
+            writer.write(interim)
+            await writer.drain()
+            await asyncio.sleep(0.02)
+            writer.write(final)
+        else:
+            writer.write(interim + final)
+
+    upstream = await serve(reply)
+    response, body = await fetch(transport, upstream, "POST", [("Expect", "100-continue")], b"{}")
+    assert (response.status, response.reason, body) == (201, "Created", b"real")
+    assert sorted(response.headers) == ["Content-Length", "X-Final"]
+    _, second = await fetch(transport, upstream)
+    assert second == b"second"
+    assert upstream.accepted == 1
+
+
+# -- content decoding ---------------------------------------------------------------------
+
+ORIGINAL = b'{"id":"chatcmpl-1","choices":[{"message":{"content":"' + b"".join(b"warm cache %d, " % n for n in range(300)) + b'"}}]}'
+"""4.7 kB that compress to some 750 bytes: many writes, many chunks."""
+
+
+def _deflate_raw(data: bytes) -> bytes:
+    compressor = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return compressor.compress(data) + compressor.flush()
+
+
+ENCODED = {
+    "gzip": ("gzip", gzip.compress(ORIGINAL)),
+    "x-gzip": ("x-gzip", gzip.compress(ORIGINAL)),
+    "deflate-zlib": ("deflate", zlib.compress(ORIGINAL)),
+    "deflate-raw": ("deflate", _deflate_raw(ORIGINAL)),
+}
+
+
+def framed(body: bytes, framing: str, *headers: str) -> tuple[bytes, bool]:
+    """``body`` framed by ``framing``, and whether the server closes after it."""
+    if framing == "content-length":
+        return message(body, *headers), False
+    if framing == "chunked-1-byte":
+        return message(chunked(*(body[i : i + 1] for i in range(len(body)))), *headers, "Transfer-Encoding: chunked", length=False), False
+    return message(body, *headers, length=False), True
+
+
+@pytest.mark.parametrize(
+    ("framing", "piece"),
+    [("content-length", 0), ("content-length", 16), ("chunked-1-byte", 0), ("close-delimited", 0), ("close-delimited", 16)],
+    ids=["content-length", "content-length-16-byte-writes", "chunked-1-byte", "close-delimited", "close-delimited-16-byte-writes"],
+)
+@pytest.mark.parametrize("name", ["gzip", "x-gzip", "deflate-zlib"])
+async def test_an_encoded_body_is_decoded(serve: Serve, transport: Transport, name: str, piece: int, framing: str) -> None:
+    encoding, body = ENCODED[name]
+    raw, close = framed(body, framing, f"Content-Encoding: {encoding}")
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        await write_in_pieces(writer, raw, piece or len(raw))
+        return not close
+
+    upstream = await serve(reply)
+    response, got = await fetch(transport, upstream)
+    assert response.decoded and response.complete
+    assert got == ORIGINAL
+    assert response.headers["Content-Encoding"] == encoding  # the header stays: the caller drops it
+
+
+@pytest.mark.parametrize("framing", ["content-length", "close-delimited"])
+async def test_a_raw_deflate_body_is_decoded(serve: Serve, transport: Transport, framing: str) -> None:
+    encoding, body = ENCODED["deflate-raw"]
+    raw, close = framed(body, framing, f"Content-Encoding: {encoding}")
+    upstream = await serve(answer(raw, close=close))
+    response, got = await fetch(transport, upstream)
+    assert response.decoded and got == ORIGINAL
+
+
+async def test_a_raw_deflate_body_arriving_a_byte_at_a_time_is_decoded(serve: Serve, transport: Transport) -> None:
+    raw, _ = framed(ENCODED["deflate-raw"][1], "chunked-1-byte", "Content-Encoding: deflate")
+    upstream = await serve(answer(raw))
+    response, got = await fetch(transport, upstream)
+    assert response.decoded and got == ORIGINAL
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_an_empty_encoded_body_is_empty(serve: Serve, transport: Transport, encoding: str) -> None:
+    upstream = await serve(answer(message(b"", f"Content-Encoding: {encoding}")))
+    response, got = await fetch(transport, upstream)
+    assert response.decoded and response.complete
+    assert got == b""
+
+
+async def test_an_unknown_encoding_passes_through_undecoded(serve: Serve, transport: Transport) -> None:
+    opaque = b"\x1b\x07\x00\xf8\x25\x40\x02" + os.urandom(64)  # bytes as br would send them
+    upstream = await serve(answer(message(opaque, "Content-Encoding: br")))
+    response, got = await fetch(transport, upstream)
+    assert not response.decoded
+    assert got == opaque
+    assert response.content_length == len(opaque)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"this is not gzip at all",
+        gzip.compress(ORIGINAL)[:-8] + b"\x00\x00\x00\x00" + gzip.compress(ORIGINAL)[-4:],  # the CRC-32 zeroed
+        gzip.compress(ORIGINAL)[:30] + b"\xff" * 40 + gzip.compress(ORIGINAL)[70:],  # the deflate stream mangled
+    ],
+    ids=["garbage", "bad-crc", "mangled"],
+)
+@pytest.mark.parametrize("piece", [0, 16], ids=["one-write", "16-byte-writes"])
+async def test_a_corrupt_gzip_body_is_malformed_from_read_chunk(
+    serve: Serve, transport: Transport, body: bytes, piece: int
+) -> None:
+    raw = message(body, "Content-Encoding: gzip")
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await write_in_pieces(writer, raw, piece or len(raw))
+
+    upstream = await serve(reply)
+    response = await send(transport, upstream)
+    try:
+        with pytest.raises(Malformed):
+            await read_all(response)
+    finally:
+        response.release()
+    await upstream.until_eofs(1)  # the connection is dropped
+
+
+# -- keep-alive ---------------------------------------------------------------------------
+
+
+async def test_sequential_requests_share_one_connection(serve: Serve, transport: Transport) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(message(f"answer {request.nth}".encode()))
+
+    upstream = await serve(reply)
+    bodies = [(await fetch(transport, upstream))[1] for _ in range(5)]
+    assert bodies == [f"answer {n}".encode() for n in range(1, 6)]
+    assert [(r.connection, r.nth) for r in upstream.requests] == [(1, n) for n in range(1, 6)]
+    assert upstream.accepted == 1
+
+
+@pytest.mark.parametrize(
+    "first",
+    [message(b"bye", "Connection: close"), message(b"bye", version="HTTP/1.0"), message(b"bye", "Connection: keep-alive, close")],
+    ids=["connection-close", "http-1.0", "close-among-tokens"],
+)
+async def test_a_response_saying_close_is_not_reused(serve: Serve, transport: Transport, first: bytes) -> None:
+    # The server keeps its side open: only the client's choice makes the second connection.
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(first if request.connection == 1 else message(b"fresh"))
+
+    upstream = await serve(reply)
+    assert (await fetch(transport, upstream))[1] == b"bye"
+    await upstream.until_eofs(1)
+    assert (await fetch(transport, upstream))[1] == b"fresh"
+    assert upstream.accepted == 2
+
+
+async def test_an_http_1_0_keep_alive_response_is_reused(serve: Serve, transport: Transport) -> None:
+    upstream = await serve(answer(message(b"old", "Connection: keep-alive", version="HTTP/1.0")))
+    for _ in range(2):
+        assert (await fetch(transport, upstream))[1] == b"old"
+    assert upstream.accepted == 1
+
+
+@pytest.mark.parametrize("arrived", [False, True], ids=["body-still-coming", "body-arrived-unread"])
+async def test_a_response_released_before_its_body_was_read_closes_its_connection(
+    serve: Serve, transport: Transport, arrived: bool
+) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool | None:
+        if request.nth > 1 or request.connection > 1:
+            writer.write(message(b"fresh"))
+            return None
+        whole = message(b"first half|second half")
+        writer.write(whole[: -len(b"second half")])
+        await writer.drain()
+        if arrived:  # the rest apart, so that it is a second chunk in the buffer
+            await asyncio.sleep(0.005)
+            writer.write(whole[-len(b"second half") :])
+            return None
+        await hang(reader)
+        return False
+
+    upstream = await serve(reply)
+    response = await send(transport, upstream)
+    if arrived:
+        await until(lambda: response.complete)
+    assert await response.read_chunk(WAIT) == b"first half|"
+    assert response.complete is arrived
+    response.release()
+    await upstream.until_eofs(1)
+    assert (await fetch(transport, upstream))[1] == b"fresh"
+    assert upstream.accepted == 2
+
+
+async def test_response_close_closes_its_connection(serve: Serve, transport: Transport) -> None:
+    upstream = await serve(answer(message(b"whole")))
+    response = await send(transport, upstream)
+    assert await read_all(response) == b"whole"
+    response.close()
+    await upstream.until_eofs(1)
+    assert (await fetch(transport, upstream))[1] == b"whole"
+    assert upstream.accepted == 2
+
+
+# -- the pool limit -----------------------------------------------------------------------
+
+
+async def test_the_pool_limit_bounds_open_connections_and_every_request_completes(
+    serve: Serve, make_transport: MakeTransport
+) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.03)  # slow enough that the five overlap
+        writer.write(message(request.body.upper()))
+
+    upstream = await serve(reply)
+    transport = make_transport(limit=2)
+    bodies = await asyncio.gather(*(fetch(transport, upstream, "POST", body=b"req %d" % n) for n in range(5)))
+    assert sorted(body for _, body in bodies) == [b"REQ %d" % n for n in range(5)]
+    assert upstream.peak == 2
+    assert upstream.accepted == 2
+
+
+async def test_a_request_waiting_for_a_slot_beyond_connect_timeout_fails_to_connect(
+    serve: Serve, make_transport: MakeTransport
+) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(message(b"0123456789")[:-5])  # the body half sent: the connection stays busy
+        await writer.drain()
+        await hang(reader)
+        return False
+
+    upstream = await serve(reply)
+    transport = make_transport(limit=1, connect_timeout=SHORT)
+    busy = await send(transport, upstream)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(ConnectFailed) as caught:
+        async with asyncio.timeout(WAIT):
+            await send(transport, upstream, target="/v1/y")
+    waited = loop.time() - started
+    busy.close()
+    assert isinstance(caught.value.__cause__, TimeoutError)
+    assert SHORT * 0.9 <= waited < WAIT / 2
+    assert upstream.accepted == 1
+
+
+async def test_a_freed_slot_lets_a_waiting_request_go_on(serve: Serve, make_transport: MakeTransport) -> None:
+    upstream = await serve(answer(message(b"ok")))
+    transport = make_transport(limit=1, connect_timeout=WAIT)
+    first = await send(transport, upstream)
+    waiting = asyncio.ensure_future(fetch(transport, upstream))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # no slot while the first holds the only connection
+    assert await read_all(first) == b"ok"
+    first.release()
+    assert (await asyncio.wait_for(waiting, WAIT))[1] == b"ok"
+    assert upstream.accepted == 1
+
+
+async def test_a_slot_granted_to_a_cancelled_request_goes_to_the_next_one(serve: Serve, make_transport: MakeTransport) -> None:
+    upstream = await serve(answer(message(b"ok")))
+    transport = make_transport(limit=1, connect_timeout=0.5)
+    first = await send(transport, upstream)
+    assert await read_all(first) == b"ok"
+    cancelled = asyncio.ensure_future(fetch(transport, upstream))
+    await asyncio.sleep(0.02)
+    waiting = asyncio.ensure_future(fetch(transport, upstream))
+    await asyncio.sleep(0.02)  # both wait for the one slot, in that order
+    first.release()  # grants the slot to the first in line ...
+    cancelled.cancel()  # ... which gives up before it could take it (a client went away)
+    assert (await asyncio.wait_for(waiting, SHORT))[1] == b"ok"
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert upstream.accepted == 1
+
+
+# -- flow control -------------------------------------------------------------------------
+
+LARGE = 8 * 1024 * 1024
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+async def test_a_slow_reader_pauses_the_socket_and_gets_every_byte(serve: Serve, transport: Transport, framing: str) -> None:
+    payload = os.urandom(LARGE)
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if framing == "content-length":
+            writer.write(message(payload))
+        else:
+            step = 100_000
+            writer.write(message(chunked(*(payload[i : i + step] for i in range(0, LARGE, step))), "Transfer-Encoding: chunked", length=False))
+
+    upstream = await serve(reply)
+    response = await send(transport, upstream, target="/v1/big")
+    conn = response._conn
+    assert conn is not None
+    await until(lambda: conn.paused)  # a reader that fell behind
+    stalled = response._buffered
+    await asyncio.sleep(0.05)
+    assert response._buffered == stalled  # paused: nothing more was read off the socket
+
+    digest = hashlib.sha256()
+    peak = largest = reads = 0
+    resumed = False
+    while True:
+        peak = max(peak, response._buffered)
+        chunk = await response.read_chunk(WAIT)
+        if not chunk:
+            break
+        digest.update(chunk)
+        largest = max(largest, len(chunk))
+        reads += 1
+        resumed = resumed or not conn.paused
+        if reads % 8 == 0:
+            await asyncio.sleep(0.002)  # slow: the buffer fills again between reads
+    response.release()
+    assert digest.digest() == hashlib.sha256(payload).digest()
+    assert HIGH_WATER < peak <= HIGH_WATER + SOCKET_READ
+    assert largest <= SOCKET_READ
+    assert resumed
+    assert upstream.accepted == 1
+
+
+# -- malformed responses ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"SSH-2.0-OpenSSH_9.6\r\n", b"HTTP/1.1 abc OK\r\nContent-Length: 0\r\n\r\n", b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", b"\x00\x01\x02\x03\r\n\r\n"],
+    ids=["not-http", "bad-status", "bad-header", "binary"],
+)
+async def test_garbage_instead_of_a_status_line_is_malformed(serve: Serve, transport: Transport, garbage: bytes) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(garbage if request.connection == 1 else message(b"sane"))
+
+    upstream = await serve(reply)
+    with pytest.raises(Malformed):
+        await send(transport, upstream)
+    await upstream.until_eofs(1)  # the connection is dropped
+    assert (await fetch(transport, upstream))[1] == b"sane"
+    assert upstream.accepted == 2
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-write", "bad-size-later"])
+async def test_a_bad_chunk_size_mid_body_is_malformed_from_read_chunk(serve: Serve, transport: Transport, split: bool) -> None:
+    head = message(b"", "Transfer-Encoding: chunked", length=False) + b"5\r\nhello\r\n"
+    bad = b"zz\r\nworld\r\n0\r\n\r\n"
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not split:
+            writer.write(head + bad)
+            return
+        writer.write(head)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(bad)
+
+    upstream = await serve(reply)
+    response = await send(transport, upstream)
+    assert await response.read_chunk(WAIT) == b"hello"
+    with pytest.raises(Malformed):
+        await response.read_chunk(WAIT)
+    assert not response.complete
+    response.release()
+    await upstream.until_eofs(1)
+
+
+@pytest.mark.parametrize(
+    "unsolicited", [b"junk", message(b"stale")], ids=["garbage", "a-whole-response"]
+)
+async def test_bytes_on_an_idle_connection_drop_it(serve: Serve, transport: Transport, unsolicited: bytes) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(message(b"answer %d" % request.connection))
+        if request.connection == 1:
+            await writer.drain()
+            await asyncio.sleep(0.03)  # the client released the connection meanwhile
+            writer.write(unsolicited)
+
+    upstream = await serve(reply)
+    assert (await fetch(transport, upstream))[1] == b"answer 1"
+    await upstream.until_eofs(1)  # the client hung up on the unsolicited bytes
+    assert (await fetch(transport, upstream))[1] == b"answer 2"
+    assert upstream.accepted == 2
+
+
+async def test_a_close_mid_headers_is_a_disconnect_after_the_response_began(serve: Serve, transport: Transport) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Le")
+        return False
+
+    upstream = await serve(reply)
+    with pytest.raises(Disconnected) as caught:
+        await send(transport, upstream)
+    assert caught.value.before_response is False
+
+
+async def test_a_reason_split_across_reads_is_kept_whole(serve: Serve, transport: Transport) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await write_in_pieces(writer, message(b"x", status="200 Everything Fine"), 16)
+
+    upstream = await serve(reply)
+    response, _ = await fetch(transport, upstream)
+    assert response.reason == "Everything Fine"
+
+
+async def test_a_truncated_gzip_body_is_malformed(serve: Serve, transport: Transport) -> None:
+    upstream = await serve(answer(message(gzip.compress(ORIGINAL)[:-20], "Content-Encoding: gzip")))
+    response = await send(transport, upstream)
+    try:
+        with pytest.raises(Malformed):
+            await read_all(response)
+    finally:
+        response.release()
+
+
+# -- timeouts -----------------------------------------------------------------------------
+
+
+async def test_within_bounds_the_wait_for_response_headers(serve: Serve, transport: Transport) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\n")  # a status line, then nothing
+        await writer.drain()
+        await hang(reader)
+        return False
+
+    upstream = await serve(reply)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(WAIT):  # a bound of the test's own, which the assert below tells apart
+            await send(transport, upstream, within=SHORT)
+    assert SHORT * 0.9 <= loop.time() - started < WAIT / 2
+    await upstream.until_eofs(1)  # the connection is given up, not pooled
+
+
+@pytest.mark.parametrize("arrived", [0, 5], ids=["no-body-yet", "part-of-body"])
+async def test_the_deadline_bounds_read_chunk_even_when_within_is_longer(
+    serve: Serve, transport: Transport, arrived: int
+) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(message(b"0123456789")[: -10 + arrived])
+        await writer.drain()
+        await hang(reader)
+        return False
+
+    upstream = await serve(reply)
+    response = await send(transport, upstream)
+    loop = asyncio.get_running_loop()
+    response.deadline = loop.time() + SHORT
+    try:
+        if arrived:
+            assert await response.read_chunk(5.0) == b"01234"
+        started = loop.time()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(WAIT):  # a bound of the test's own, which the assert below tells apart
+                await response.read_chunk(5.0)
+        assert loop.time() - started < WAIT / 2
+        assert loop.time() >= response.deadline - 0.01
+    finally:
+        response.close()
+
+
+# -- headers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("piece", [0, 3], ids=["one-write", "3-bytes"])
+async def test_repeated_response_headers_are_all_kept_in_order(serve: Serve, transport: Transport, piece: int) -> None:
+    raw = message(b"{}", "Set-Cookie: a=1", "X-Mid: m", "set-cookie: b=2", "X-Note: café", "SET-COOKIE: c=3")
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await write_in_pieces(writer, raw, piece or len(raw))
+
+    upstream = await serve(reply)
+    response, _ = await fetch(transport, upstream)
+    assert response.headers.getall("Set-Cookie") == ["a=1", "b=2", "c=3"]
+    assert list(response.headers.items()) == [
+        ("Set-Cookie", "a=1"), ("X-Mid", "m"), ("set-cookie", "b=2"), ("X-Note", "café"), ("SET-COOKIE", "c=3"), ("Content-Length", "2"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("X-Evil", "a\r\nInjected: 1"), ("X-Evil", "a\nInjected: 1"), ("X-Evil", "a\rb"), ("X-Evil\r\nInjected", "1")],
+    ids=["crlf-in-value", "lf-in-value", "cr-in-value", "crlf-in-name"],
+)
+async def test_a_line_break_in_a_request_header_is_refused_before_anything_is_sent(
+    serve: Serve, transport: Transport, name: str, value: str
+) -> None:
+    upstream = await serve(answer(message(b"ok")))
+    with pytest.raises(ValueError, match="line break"):
+        await send(transport, upstream, "POST", "/v1/x", [("X-Fine", "1"), (name, value)], b"{}")
+    await asyncio.sleep(0.05)  # what was sent would have arrived by now
+    assert upstream.requests == []
+
+
+async def test_a_refused_request_head_gives_its_pool_slot_back(serve: Serve, make_transport: MakeTransport) -> None:
+    upstream = await serve(answer(message(b"ok")))
+    transport = make_transport(limit=1, connect_timeout=SHORT)
+    with pytest.raises(ValueError):
+        await send(transport, upstream, headers=[("X-Evil", "a\r\nb: c")])
+    async with asyncio.timeout(WAIT):
+        assert (await fetch(transport, upstream))[1] == b"ok"
+
+
+async def test_the_host_header_names_the_origin_with_its_port(serve: Serve, transport: Transport) -> None:
+    upstream = await serve(answer(message(b"ok")))
+    await fetch(transport, upstream)
+    assert upstream.requests[0].header("Host") == f"127.0.0.1:{upstream.origin.port}"
+
+
+@pytest.mark.parametrize(
+    ("origin", "host"),
+    [
+        (Origin("api.example.com", 80, False), "api.example.com"),
+        (Origin("api.example.com", 443, True), "api.example.com"),
+        (Origin("api.example.com", 443, False), "api.example.com:443"),
+        (Origin("api.example.com", 80, True), "api.example.com:80"),
+        (Origin("10.0.0.1", 8000, False), "10.0.0.1:8000"),
+        (Origin("::1", 8080, False), "[::1]:8080"),
+        (Origin("::1", 80, False), "[::1]"),
+        (Origin("2001:db8::5", 443, True), "[2001:db8::5]"),
+    ],
+)
+def test_host_header_omits_only_the_default_port_and_brackets_ipv6(origin: Origin, host: str) -> None:
+    assert origin.host_header == host
+
+
+@pytest.mark.parametrize(
+    ("method", "body", "length"),
+    [("POST", b"", "0"), ("POST", b'{"a":1}', "7"), ("PUT", b"", "0"), ("GET", b"", None), ("DELETE", b"", None), ("GET", b"q", "1")],
+)
+async def test_content_length_is_sent_for_the_bytes_of_a_body(
+    serve: Serve, transport: Transport, method: str, body: bytes, length: str | None
+) -> None:
+    upstream = await serve(answer(message(b"ok")))
+    await fetch(transport, upstream, method, [("Content-Type", "application/json")], body)
+    seen = upstream.requests[0]
+    assert (seen.method, seen.target, seen.header("Content-Length"), seen.body) == (method, "/v1/x", length, body)
+    assert seen.header("Content-Type") == "application/json"
+
+
+# -- closing -----------------------------------------------------------------------------
+
+
+async def test_close_closes_idle_and_busy_connections_within_a_second(serve: Serve, make_transport: MakeTransport) -> None:
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool | None:
+        if request.target == "/idle":
+            writer.write(message(b"done"))
+            return None
+        writer.write(message(b"0123456789")[:-5])  # busy: half a body, then nothing
+        await writer.drain()
+        await hang(reader)
+        return False
+
+    upstream = await serve(reply)
+    transport = make_transport()
+    idle = await send(transport, upstream, target="/idle")
+    assert await read_all(idle) == b"done"
+    busy = await send(transport, upstream, target="/busy", fresh=True)
+    idle.release()
+    assert await busy.read_chunk(WAIT) == b"01234"
+    reading = asyncio.ensure_future(busy.read_chunk(5.0))  # a reader waiting for the rest
+    await asyncio.sleep(0.01)
+    assert (upstream.accepted, upstream.eofs) == (2, 0)
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await transport.close()
+    assert loop.time() - started < WAIT / 2
+    await upstream.until_eofs(2)
+    with pytest.raises(Disconnected):  # woken at once, not at its 5 s
+        await asyncio.wait_for(reading, SHORT)
+    busy.release()
