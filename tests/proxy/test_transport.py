@@ -9,12 +9,16 @@ import asyncio
 import gzip
 import hashlib
 import os
+import ssl
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
+import trustme
+from aiohttp import web
 
 from proxy.transport import (
     HIGH_WATER,
@@ -994,3 +998,55 @@ async def test_close_closes_idle_and_busy_connections_within_a_second(serve: Ser
     with pytest.raises(Disconnected):  # woken at once, not at its 5 s
         await asyncio.wait_for(reading, SHORT)
     busy.release()
+
+
+# -- TLS ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tls_ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture
+async def tls_upstream(aiohttp_server: Any, tls_ca: trustme.CA) -> Any:
+    """An aiohttp server on https://localhost:PORT with a certificate of ``tls_ca``."""
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path, "body": (await request.read()).decode()})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls_ca.issue_cert("localhost").configure_cert(context)
+    return await aiohttp_server(app, ssl=context, host="localhost")
+
+
+async def test_https_upstream_is_verified_and_kept_alive(tls_upstream: Any, tls_ca: trustme.CA) -> None:
+    """A provider is https: the certificate is checked against the trusted CAs for the host
+    name, and the connection is reused like a plain one."""
+    client = ssl.create_default_context()
+    tls_ca.configure_trust(client)
+    transport = Transport(limit=4, connect_timeout=WAIT, ssl_context=client)
+    try:
+        pool = transport.pool(Origin("localhost", tls_upstream.port, True))
+        for n in range(3):
+            response = await transport.request(pool, "POST", "/v1/chat", [], b"hello %d" % n, within=WAIT)
+            assert response.status == 200
+            assert await read_all(response) == b'{"path": "/v1/chat", "body": "hello %d"}' % n
+            response.release()
+        assert len(pool.open) == 1
+    finally:
+        await transport.close()
+
+
+async def test_an_untrusted_certificate_is_refused_by_default(tls_upstream: Any) -> None:
+    """Without ``ssl_context`` (as kvwarm runs) the system's CAs are trusted, and a certificate
+    they did not sign never sees the request."""
+    transport = Transport(limit=4, connect_timeout=WAIT)
+    try:
+        with pytest.raises(ConnectFailed) as caught:
+            await transport.request(transport.pool(Origin("localhost", tls_upstream.port, True)), "GET", "/v1/models", [], b"", within=WAIT)
+        assert isinstance(caught.value.__cause__, ssl.SSLCertVerificationError)
+    finally:
+        await transport.close()
