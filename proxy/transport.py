@@ -174,6 +174,8 @@ class Response:
     # -- the connection's side ------------------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
+        if self._done:
+            return  # bytes past the end of this response (the connection is being dropped)
         if self._decoder is not None:
             try:
                 data = self._decoder.decompress(data)
@@ -342,6 +344,9 @@ class _Connection(asyncio.Protocol):
             self._headers = CIMultiDict()  # an interim response (100 Continue): the real one follows
             self._reason = ""
             return
+        if self.waiter is None:  # a second response to one request: the connection cannot be trusted
+            self._error(Malformed("the upstream sent a response nobody asked for"))
+            return
         self.keep_alive = bool(self.parser.should_keep_alive())
         no_body = self.no_body or status in (204, 304)
         response = Response(self, status, self._reason, self._headers, no_body)
@@ -373,12 +378,16 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.no_body = no_body
         self.received = False
-        self.waiter = self.loop.create_future()
-        if body:
-            self.transport.writelines((head, body))
-        else:
-            self.transport.write(head)
-        return self.waiter
+        waiter = self.waiter = self.loop.create_future()
+        try:
+            if body:
+                self.transport.writelines((head, body))
+            else:
+                self.transport.write(head)
+        except (RuntimeError, OSError) as exc:  # closed under us (uvloop raises, asyncio logs)
+            self.waiter = None
+            raise Disconnected(f"the connection could not be written: {exc}", before_response=True) from exc
+        return waiter
 
     def resume(self) -> None:
         self.paused = False
@@ -490,15 +499,17 @@ class Transport:
         conn = None if fresh else pool.take()
         if conn is None:
             conn = await self._connect(pool, fresh)
-        waiter = conn.send(head, body, no_body=method == "HEAD")
-        timer = self.loop.call_later(within, _expire_response, waiter)
+        timer: asyncio.TimerHandle | None = None
         try:
+            waiter = conn.send(head, body, no_body=method == "HEAD")
+            timer = self.loop.call_later(within, _expire_response, waiter)
             return await waiter
         except BaseException:
             conn.finished(reusable=False)
             raise
         finally:
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
 
     async def _connect(self, pool: Pool, fresh: bool) -> _Connection:
         """A new connection to ``pool``'s origin once fewer than ``limit`` are open (an idle one

@@ -810,6 +810,22 @@ async def test_bytes_on_an_idle_connection_drop_it(serve: Serve, transport: Tran
     assert upstream.accepted == 2
 
 
+async def test_a_second_response_to_one_request_drops_the_connection_and_not_the_first(serve: Serve, transport: Transport) -> None:
+    """An upstream that answers one request twice in one write: the first response arrives
+    whole and alone (the second one's body never joins it), and the connection is not reused."""
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(message(b"first %d" % request.connection) + message(b"SECOND"))
+
+    upstream = await serve(reply)
+    response = await send(transport, upstream)
+    assert await read_all(response) == b"first 1"
+    response.release()
+    await upstream.until_eofs(1)
+    assert (await fetch(transport, upstream))[1] == b"first 2"
+    assert upstream.accepted == 2
+
+
 async def test_a_close_mid_headers_is_a_disconnect_after_the_response_began(serve: Serve, transport: Transport) -> None:
     async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Le")
