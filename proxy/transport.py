@@ -28,7 +28,7 @@ import asyncio
 import collections
 import ssl
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
 
@@ -123,16 +123,12 @@ class Response:
     async def read_chunk(self, within: float) -> bytes:
         """The next body bytes as they arrive (``b""`` at the end); waits at most ``within``
         seconds for them (and never past :attr:`deadline`). Raises :class:`Disconnected`, :class:`Malformed` or :class:`TimeoutError`."""
-        if not self._buffer:
+        while not self._buffer:
             if self._error is not None:
                 raise self._error
             if self._done:
                 return b""
             await self._wait(within)
-            if not self._buffer:
-                if self._error is not None:
-                    raise self._error
-                return b""
         chunk = self._buffer.popleft()
         self._buffered -= len(chunk)
         conn = self._conn
@@ -176,32 +172,37 @@ class Response:
     def _feed(self, data: bytes) -> None:
         if self._done:
             return  # bytes past the end of this response (the connection is being dropped)
-        if self._decoder is not None:
-            try:
-                data = self._decoder.decompress(data)
-            except zlib.error as exc:
-                self._fail(Malformed(f"the response body could not be decoded: {exc}"))
-                return
-        if data:
-            self._buffer.append(data)
-            self._buffered += len(data)
+        decoder = self._decoder
+        kept = data if decoder is None else self._decoded(decoder.decompress, data)
+        if kept:  # (a reader woken with nothing would take it for the end)
+            self._keep(kept)
             self._wake()
 
     def _end(self) -> None:
-        if self._decoder is not None:
-            try:
-                rest = self._decoder.flush()
-            except zlib.error as exc:
-                self._fail(Malformed(f"the response body could not be decoded: {exc}"))
+        decoder = self._decoder
+        if decoder is not None:
+            rest = self._decoded(decoder.flush)
+            if rest is None:
                 return
-            if rest:
-                self._buffer.append(rest)
-                self._buffered += len(rest)
-            if self._decoder.cut_short:
+            self._keep(rest)
+            if decoder.cut_short:
                 self._fail(Malformed("the response body ends mid-stream"))
                 return
         self._done = True
         self._wake()
+
+    def _decoded(self, step: Callable[..., bytes], *data: bytes) -> bytes | None:
+        """``step(*data)`` of the decoder; None (the response failed) when the bytes do not decode."""
+        try:
+            return step(*data)
+        except zlib.error as exc:
+            self._fail(Malformed(f"the response body could not be decoded: {exc}"))
+            return None
+
+    def _keep(self, data: bytes) -> None:
+        if data:
+            self._buffer.append(data)
+            self._buffered += len(data)
 
     def _fail(self, exc: BaseException) -> None:
         if self._error is None and not self._done:

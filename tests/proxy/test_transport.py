@@ -249,6 +249,16 @@ async def read_all(response: Response, within: float = WAIT) -> bytes:
     return b"".join(parts)
 
 
+async def body_is_malformed(transport: Transport, upstream: RawUpstream) -> None:
+    """A request to ``upstream`` whose response body reads as :class:`Malformed`."""
+    response = await send(transport, upstream)
+    try:
+        with pytest.raises(Malformed):
+            await read_all(response)
+    finally:
+        response.release()
+
+
 async def send(
     transport: Transport,
     upstream: RawUpstream,
@@ -542,12 +552,7 @@ async def test_a_corrupt_gzip_body_is_malformed_from_read_chunk(
         await write_in_pieces(writer, raw, piece or len(raw))
 
     upstream = await serve(reply)
-    response = await send(transport, upstream)
-    try:
-        with pytest.raises(Malformed):
-            await read_all(response)
-    finally:
-        response.release()
+    await body_is_malformed(transport, upstream)
     await upstream.until_eofs(1)  # the connection is dropped
 
 
@@ -848,12 +853,7 @@ async def test_a_reason_split_across_reads_is_kept_whole(serve: Serve, transport
 
 async def test_a_truncated_gzip_body_is_malformed(serve: Serve, transport: Transport) -> None:
     upstream = await serve(answer(message(gzip.compress(ORIGINAL)[:-20], "Content-Encoding: gzip")))
-    response = await send(transport, upstream)
-    try:
-        with pytest.raises(Malformed):
-            await read_all(response)
-    finally:
-        response.release()
+    await body_is_malformed(transport, upstream)
 
 
 # -- timeouts -----------------------------------------------------------------------------
