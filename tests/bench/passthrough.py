@@ -5,7 +5,10 @@ headers (minus hop-by-hop ones) are forwarded to the upstream, and the response 
 back chunk by chunk as it arrives. No parsing, no metrics, no logging. It runs on uvloop
 when installed, like ``kvwarm serve`` (``server.uvloop = true``).
 
-``python -m tests.bench.passthrough --port P --upstream http://127.0.0.1:U/v1``
+With ``--client kvwarm`` the same pass-through sends on kvwarm's own transport
+(:mod:`proxy.transport`) instead: what kvwarm's plumbing costs without its own work.
+
+``python -m tests.bench.passthrough --port P --upstream http://127.0.0.1:U/v1 [--client kvwarm]``
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from importlib import metadata
 
 import aiohttp
 from aiohttp import hdrs, web
+from yarl import URL
+
+from proxy.transport import Origin, Pool, Transport
 
 _HOP = frozenset(
     h.lower()
@@ -27,6 +33,8 @@ _HOP = frozenset(
 )
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM = web.AppKey("upstream", str)
+TRANSPORT = web.AppKey("transport", Transport)
+POOL = web.AppKey("pool", Pool)
 
 
 async def _session(app: web.Application) -> AsyncIterator[None]:
@@ -59,11 +67,47 @@ async def forward(request: web.Request) -> web.StreamResponse:
         return out
 
 
-def create_passthrough(upstream: str) -> web.Application:
+async def _transport(app: web.Application) -> AsyncIterator[None]:
+    transport = app[TRANSPORT] = Transport(limit=256, connect_timeout=10.0)
+    url = URL(app[UPSTREAM])
+    app[POOL] = transport.pool(Origin(url.raw_host or "", url.port or 80, url.scheme == "https"))
+    yield
+    await transport.close()
+
+
+async def forward_on_transport(request: web.Request) -> web.StreamResponse:
+    """:func:`forward`, sent on kvwarm's transport."""
+    target = URL(request.app[UPSTREAM]).raw_path.rstrip("/") + "/" + request.match_info["tail"]
+    if request.query_string:
+        target += "?" + request.query_string
+    headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
+    body = await request.read()
+    upstream = await request.app[TRANSPORT].request(request.app[POOL], request.method, target, headers, body, within=600.0)
+    try:
+        out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for k, v in upstream.headers.items():
+            if k.lower() not in _HOP:
+                out.headers.add(k, v)
+        if upstream.content_length is not None:
+            out.content_length = upstream.content_length
+        await out.prepare(request)
+        while chunk := await upstream.read_chunk(300.0):
+            await out.write(chunk)
+        await out.write_eof()
+    finally:
+        upstream.release()
+    return out
+
+
+def create_passthrough(upstream: str, client: str = "aiohttp") -> web.Application:
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app[UPSTREAM] = upstream.rstrip("/")
-    app.cleanup_ctx.append(_session)
-    app.router.add_route("*", "/v1/{tail:.*}", forward)
+    if client == "kvwarm":
+        app.cleanup_ctx.append(_transport)
+        app.router.add_route("*", "/v1/{tail:.*}", forward_on_transport)
+    else:
+        app.cleanup_ctx.append(_session)
+        app.router.add_route("*", "/v1/{tail:.*}", forward)
     return app
 
 
@@ -89,9 +133,10 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="base URL, e.g. http://127.0.0.1:8090/v1")
+    parser.add_argument("--client", choices=("aiohttp", "kvwarm"), default="aiohttp", help="what sends upstream")
     args = parser.parse_args()
     web.run_app(
-        create_passthrough(args.upstream), host=args.host, port=args.port,
+        create_passthrough(args.upstream, args.client), host=args.host, port=args.port,
         access_log=None, print=None, loop=_new_loop(),
     )
 

@@ -4,7 +4,8 @@ Processes on loopback: an echo-like upstream (this module, ``--echo-upstream``: 
 request and answers a fixed small completion with usage, or a short SSE stream, without
 parsing the body, so the figures measure the proxies and not a provider emulator), kvwarm
 (``python -m proxy serve --store memory``, ``KVWARM_LOG_LEVEL=WARNING``), the bare pass-through
-of :mod:`tests.bench.passthrough` (same event loop kind as kvwarm), and with ``--peers``
+of :mod:`tests.bench.passthrough` (same event loop kind as kvwarm), the same pass-through on
+kvwarm's transport (a column: kvwarm's plumbing without its own work), and with ``--peers``
 LiteLLM's proxy (:mod:`tests.bench.peers`). This process is the client: aiohttp, keep-alive,
 one session per target, on uvloop when installed.
 
@@ -59,6 +60,8 @@ THROUGHPUT_AIM = 1.0
 CPU_AIMS = {"small": 1.2, "large": 1.5}
 """kvwarm's CPU per request at most this times the bare pass-through's (issue 15)."""
 CONCURRENCY = 32
+TRANSPORT_ONLY = "bare on kvwarm's transport"
+"""The bare pass-through sending on :mod:`proxy.transport`: kvwarm's plumbing without its own work."""
 AGENT_TURNS = 25
 """Turns of one agent session before it starts a new one (throughput)."""
 
@@ -475,6 +478,12 @@ def run(quick: bool = False, with_peers: bool = False, baseline: Path | None = N
             "/v1/models",
         )
         urls["bare"] = (bare.base_url, bare.proc.pid, None)
+        plumbing = group.start(
+            "passthrough-kvwarm-transport",
+            python_module("tests.bench.passthrough", "--port", "{port}", "--upstream", echo.base_url, "--client", "kvwarm"),
+            "/v1/models",
+        )
+        urls[TRANSPORT_ONLY] = (plumbing.base_url, plumbing.proc.pid, None)
         kvwarm = group.start(
             "kvwarm",
             python_module("proxy", "serve", "--port", "{port}", "--upstream", echo.base_url, "--store", "memory"),
@@ -500,7 +509,7 @@ def run(quick: bool = False, with_peers: bool = False, baseline: Path | None = N
                 peer_note = f"LiteLLM could not be run here: {exc}"
         results = _run_client(urls, plan, log)
         for server in group.started:
-            if server.proc.poll() is not None and server.name in (*urls, "echo-upstream", "kvwarm-baseline"):
+            if server.proc.poll() is not None and server.name in (*urls, "echo-upstream", "kvwarm-baseline", "passthrough-kvwarm-transport"):
                 raise BenchError(f"{server.name} died during the benchmark:\n{server.log_tail()}")
     return _section(results, list(urls), plan, peer_note, time.perf_counter() - started)
 
