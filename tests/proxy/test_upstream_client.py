@@ -45,8 +45,8 @@ async def make_upstream() -> AsyncIterator[MakeUpstream]:
     """``make_upstream(base_url, **settings)``: an upstream sender on its own pooled transport."""
     transports: list[Transport] = []
 
-    def make(base_url: str, **settings: Any) -> ReplicaSender:
-        transport = Transport(limit=16, connect_timeout=settings.get("connect_timeout", 10.0))
+    def make(base_url: str, limit: int = 16, **settings: Any) -> ReplicaSender:
+        transport = Transport(limit=limit, connect_timeout=settings.get("connect_timeout", 10.0))
         transports.append(transport)
         return upstream_sender(transport, base_url, **settings)
 
@@ -218,6 +218,28 @@ async def test_a_refused_connection_is_unreachable(
     assert isinstance(caught.value.__cause__, ConnectFailed)
     assert never_sent(caught.value)
     assert caught.value.status == 502
+
+
+async def test_no_free_upstream_connection_within_connect_timeout_is_a_timeout_never_sent(
+    aiohttp_server: Any, make_upstream: MakeUpstream
+) -> None:
+    """Every pooled connection busy beyond ``connect_timeout``: a 504, and (not one byte left)
+    another replica may take the request."""
+    server = await serve(aiohttp_server, _ok)
+    upstream = make_upstream(str(server.make_url("/v1")), limit=1, connect_timeout=0.2)
+    busy = await upstream.send("GET", "/v1/models", "", {}, b"")  # holds the only connection
+    try:
+        started = time.monotonic()
+        with pytest.raises(UpstreamTimeout) as caught:
+            await upstream.send("GET", "/v1/models", "", {}, b"")
+        assert 0.15 < time.monotonic() - started < 3
+        assert caught.value.status == 504 and never_sent(caught.value)
+    finally:
+        busy.close()
+
+
+async def _ok(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
 
 
 # -- timeouts ---------------------------------------------------------------------------------
