@@ -108,9 +108,15 @@ class KnownPrefix:
         k = min(self.messages, m.matched - 1, len(self.held))
         if k <= 0 or m.root != root or m.policy != policy or body.get("tools") is not self.tools:
             return 0
-        if len(m.message_ids) < k or m.order[:k] != tuple(range(k)):
+        if len(m.message_ids) < k or not in_order(m.order, k):
             return 0  # something before it moved or was collapsed: match it all again
         return k
+
+
+def in_order(order: Sequence[int], k: int) -> bool:
+    """The first ``k`` forwarded messages are the request's first ``k``, in place (none moved
+    or collapsed before there)."""
+    return len(order) >= k and tuple(order[:k]) == tuple(range(k))
 
 
 def tool_groups(messages: Sequence[Any]) -> dict[int, int]:
@@ -345,7 +351,7 @@ def _chain(
         parent = key
         i += 1
 
-    if clean and order[:clean] != list(range(clean)):
+    if clean and not in_order(order, clean):
         clean = 0  # a tool-result group was put back in its stored order from before there
     return Match(
         root=root,

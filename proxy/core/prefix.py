@@ -36,7 +36,7 @@ from typing import Any
 import orjson
 
 from .identity import IdentityMemo
-from .match import KnownPrefix, Match
+from .match import KnownPrefix, Match, in_order
 from .splice import _Refused, _skip_value
 
 __all__ = ["PrefixMemo", "Recalled"]
@@ -333,7 +333,7 @@ class PrefixMemo:
         settled = kept if source is not None and source.first_key == keys[0] else 0
         order = match.order
         # In order up to there (the usual case): only the steps past it are visited.
-        first = settled if order[:settled] == tuple(range(settled)) else 0
+        first = settled if in_order(order, settled) else 0
         for p in range(first, len(order)):
             r = order[p]
             if r >= settled:
