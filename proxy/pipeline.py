@@ -295,7 +295,7 @@ class Pipeline:
         missing = [node for node in later if counts.get(node.key, -1) < 0]
         if missing:
             counts.update(zip((n.key for n in missing), await asyncio.to_thread(self._count, [n.body for n in missing]), strict=True))
-        return replace(turn, nodes=tuple(_with_tokens(n, counts[n.key]) if n.tokens == -1 else n for n in turn.nodes))
+        return replace(turn, nodes=tuple(n.with_tokens(counts[n.key]) if n.tokens == -1 else n for n in turn.nodes))
 
     def _count(self, bodies: list[bytes]) -> list[int]:
         count = self.tokens.count_body
@@ -334,13 +334,6 @@ class Pipeline:
             stored = view.get(node.key) if node.tokens < 0 else node
             total += stored.tokens if stored is not None and stored.tokens >= 0 else self.tokens.count_body(node.body)
         return replace(plan, repair=replace(repair, rescued_tokens=total))
-
-
-def _with_tokens(node: Node, tokens: int) -> Node:
-    return Node(
-        node.key, node.parent, node.tenant, node.depth, node.role, node.identity, node.body,
-        tokens, node.generated, node.partial, node.created,
-    )
 
 
 class _TokenBudget:

@@ -65,6 +65,14 @@ class Node:
     created: float = 0.0
     """Unix time of creation."""
 
+    def with_tokens(self, tokens: int) -> Node:
+        """This node with its token count (the constructor: ``dataclasses.replace`` introspects
+        the fields on every call, and this runs for every node counted after its write)."""
+        return Node(
+            self.key, self.parent, self.tenant, self.depth, self.role, self.identity, self.body,
+            tokens, self.generated, self.partial, self.created,
+        )
+
 
 @dataclass(slots=True)
 class SessionTotals:

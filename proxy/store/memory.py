@@ -194,10 +194,7 @@ class MemoryStore:
             node = index.nodes.get(key)
             if node is None or node.tokens >= 0 or tokens < 0:
                 continue
-            counted = Node(
-                node.key, node.parent, node.tenant, node.depth, node.role, node.identity, node.body,
-                tokens, node.generated, node.partial, node.created,
-            )
+            counted = node.with_tokens(tokens)
             index.nodes[key] = counted
             _swap(index.children, node.parent, node, counted)
             _swap(index.by_identity, (node.tenant, node.identity), node, counted)
