@@ -34,6 +34,7 @@ from typing import cast
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 __all__ = ["ConnectFailed", "Disconnected", "Malformed", "Origin", "Pool", "Response", "Transport"]
 
@@ -73,6 +74,12 @@ class Origin:
     host: str
     port: int
     tls: bool
+
+    @classmethod
+    def of(cls, url: URL) -> Origin:
+        """The origin of ``url`` (``http`` or ``https``; the scheme's port when it names none)."""
+        tls = url.scheme == "https"
+        return cls(url.raw_host or "", url.port if url.port is not None else (443 if tls else 80), tls)
 
     @property
     def host_header(self) -> str:

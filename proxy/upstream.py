@@ -132,8 +132,7 @@ class ReplicaSender:
         self._transport = transport
         self._settings = settings
         self._base = URL(base_url.rstrip("/"))
-        port = self._base.port
-        self._pool = transport.pool(Origin(self._base.raw_host or "", port if port is not None else 80, self._base.scheme == "https"))
+        self._pool = transport.pool(Origin.of(self._base))
         self._path = self._base.raw_path.rstrip("/")
         # first_byte_timeout bounds the wait for the response headers only; pauses inside a body
         # are idle_timeout's (read_chunk); total_timeout bounds both, from the request's start.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from importlib import metadata
 
 import aiohttp
@@ -35,6 +35,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM = web.AppKey("upstream", str)
 TRANSPORT = web.AppKey("transport", Transport)
 POOL = web.AppKey("pool", Pool)
+BASE_PATH = web.AppKey("base_path", str)
 
 
 async def _session(app: web.Application) -> AsyncIterator[None]:
@@ -54,43 +55,46 @@ async def forward(request: web.Request) -> web.StreamResponse:
     async with request.app[SESSION].request(
         request.method, url, headers=headers, data=body or None, allow_redirects=False
     ) as upstream:
-        out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        for k, v in upstream.headers.items():
-            if k.lower() not in _HOP:
-                out.headers.add(k, v)
-        if upstream.content_length is not None:
-            out.content_length = upstream.content_length
-        await out.prepare(request)
+        out = await _respond(request, upstream.status, upstream.reason, upstream.headers, upstream.content_length)
         async for chunk in upstream.content.iter_any():
             await out.write(chunk)
         await out.write_eof()
         return out
 
 
+async def _respond(
+    request: web.Request, status: int, reason: str | None, headers: Mapping[str, str], length: int | None
+) -> web.StreamResponse:
+    """The client's response, started with the upstream's status and end-to-end headers."""
+    out = web.StreamResponse(status=status, reason=reason)
+    for k, v in headers.items():
+        if k.lower() not in _HOP:
+            out.headers.add(k, v)
+    if length is not None:
+        out.content_length = length
+    await out.prepare(request)
+    return out
+
+
 async def _transport(app: web.Application) -> AsyncIterator[None]:
     transport = app[TRANSPORT] = Transport(limit=256, connect_timeout=10.0)
     url = URL(app[UPSTREAM])
-    app[POOL] = transport.pool(Origin(url.raw_host or "", url.port or 80, url.scheme == "https"))
+    app[POOL] = transport.pool(Origin.of(url))
+    app[BASE_PATH] = url.raw_path.rstrip("/")
     yield
     await transport.close()
 
 
 async def forward_on_transport(request: web.Request) -> web.StreamResponse:
     """:func:`forward`, sent on kvwarm's transport."""
-    target = URL(request.app[UPSTREAM]).raw_path.rstrip("/") + "/" + request.match_info["tail"]
+    target = request.app[BASE_PATH] + "/" + request.match_info["tail"]
     if request.query_string:
         target += "?" + request.query_string
     headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
     body = await request.read()
     upstream = await request.app[TRANSPORT].request(request.app[POOL], request.method, target, headers, body, within=600.0)
     try:
-        out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        for k, v in upstream.headers.items():
-            if k.lower() not in _HOP:
-                out.headers.add(k, v)
-        if upstream.content_length is not None:
-            out.content_length = upstream.content_length
-        await out.prepare(request)
+        out = await _respond(request, upstream.status, upstream.reason, upstream.headers, upstream.content_length)
         while chunk := await upstream.read_chunk(300.0):
             await out.write(chunk)
         await out.write_eof()
