@@ -249,6 +249,13 @@ async def read_all(response: Response, within: float = WAIT) -> bytes:
     return b"".join(parts)
 
 
+async def next_on_a_new_connection(transport: Transport, upstream: RawUpstream, body: bytes) -> None:
+    """The client closed its (only) connection, and the next exchange opens a second one."""
+    await upstream.until_eofs(1)
+    assert (await fetch(transport, upstream))[1] == body
+    assert upstream.accepted == 2
+
+
 async def body_is_malformed(transport: Transport, upstream: RawUpstream) -> None:
     """A request to ``upstream`` whose response body reads as :class:`Malformed`."""
     response = await send(transport, upstream)
@@ -582,9 +589,7 @@ async def test_a_response_saying_close_is_not_reused(serve: Serve, transport: Tr
 
     upstream = await serve(reply)
     assert (await fetch(transport, upstream))[1] == b"bye"
-    await upstream.until_eofs(1)
-    assert (await fetch(transport, upstream))[1] == b"fresh"
-    assert upstream.accepted == 2
+    await next_on_a_new_connection(transport, upstream, b"fresh")
 
 
 async def test_an_http_1_0_keep_alive_response_is_reused(serve: Serve, transport: Transport) -> None:
@@ -619,9 +624,7 @@ async def test_a_response_released_before_its_body_was_read_closes_its_connectio
     assert await response.read_chunk(WAIT) == b"first half|"
     assert response.complete is arrived
     response.release()
-    await upstream.until_eofs(1)
-    assert (await fetch(transport, upstream))[1] == b"fresh"
-    assert upstream.accepted == 2
+    await next_on_a_new_connection(transport, upstream, b"fresh")
 
 
 async def test_response_close_closes_its_connection(serve: Serve, transport: Transport) -> None:
@@ -629,9 +632,7 @@ async def test_response_close_closes_its_connection(serve: Serve, transport: Tra
     response = await send(transport, upstream)
     assert await read_all(response) == b"whole"
     response.close()
-    await upstream.until_eofs(1)
-    assert (await fetch(transport, upstream))[1] == b"whole"
-    assert upstream.accepted == 2
+    await next_on_a_new_connection(transport, upstream, b"whole")
 
 
 # -- the pool limit -----------------------------------------------------------------------
@@ -768,9 +769,7 @@ async def test_garbage_instead_of_a_status_line_is_malformed(serve: Serve, trans
     upstream = await serve(reply)
     with pytest.raises(Malformed):
         await send(transport, upstream)
-    await upstream.until_eofs(1)  # the connection is dropped
-    assert (await fetch(transport, upstream))[1] == b"sane"
-    assert upstream.accepted == 2
+    await next_on_a_new_connection(transport, upstream, b"sane")  # the connection is dropped
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-write", "bad-size-later"])
@@ -810,9 +809,7 @@ async def test_bytes_on_an_idle_connection_drop_it(serve: Serve, transport: Tran
 
     upstream = await serve(reply)
     assert (await fetch(transport, upstream))[1] == b"answer 1"
-    await upstream.until_eofs(1)  # the client hung up on the unsolicited bytes
-    assert (await fetch(transport, upstream))[1] == b"answer 2"
-    assert upstream.accepted == 2
+    await next_on_a_new_connection(transport, upstream, b"answer 2")  # the client hung up on the unsolicited bytes
 
 
 async def test_a_second_response_to_one_request_drops_the_connection_and_not_the_first(serve: Serve, transport: Transport) -> None:
@@ -826,9 +823,7 @@ async def test_a_second_response_to_one_request_drops_the_connection_and_not_the
     response = await send(transport, upstream)
     assert await read_all(response) == b"first 1"
     response.release()
-    await upstream.until_eofs(1)
-    assert (await fetch(transport, upstream))[1] == b"first 2"
-    assert upstream.accepted == 2
+    await next_on_a_new_connection(transport, upstream, b"first 2")
 
 
 async def test_a_close_mid_headers_is_a_disconnect_after_the_response_began(serve: Serve, transport: Transport) -> None:
