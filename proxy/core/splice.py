@@ -365,13 +365,20 @@ def _edit(raw: bytes, view: memoryview, pos: int, node: _Node, path: Path) -> tu
     raise _Refused("missing_path", path)
 
 
+def _children(raw: bytes, pos: int, node: _Node, path: Path, kind: type) -> dict[str | int, _Node]:
+    """``node``'s edits below the container at ``pos``, all addressed by ``kind`` (member names
+    of an object, indices of an array); else the path leads nowhere in this body."""
+    children = node.children
+    if any(type(k) is not kind for k in children):
+        _skip_container(raw, pos, path)
+        raise _Refused("missing_path", path)
+    return children
+
+
 def _edit_object(
     raw: bytes, view: memoryview, pos: int, node: _Node, path: Path
 ) -> tuple[int, _Pieces]:
-    children = node.children
-    if any(type(k) is not str for k in children):
-        _skip_container(raw, pos, path)
-        raise _Refused("missing_path", path)
+    children = _children(raw, pos, node, path, str)
     inserts = node.inserts
     pieces: _Pieces = [view[pos : pos + 1]]
     cursor = pos + 1
@@ -432,10 +439,7 @@ def _edit_object(
 def _edit_array(
     raw: bytes, view: memoryview, pos: int, node: _Node, path: Path
 ) -> tuple[int, _Pieces]:
-    children = node.children
-    if any(type(k) is not int for k in children):
-        _skip_container(raw, pos, path)
-        raise _Refused("missing_path", path)
+    children = _children(raw, pos, node, path, int)
     order = node.reorder
     last = max((int(k) for k in children), default=-1)  # without a reorder, nothing past it is read
     spans: list[tuple[int, int]] = []
