@@ -137,6 +137,12 @@ class _Slots:
         attr = f' class="{cls}"' if cls else ""
         return f'<{tag}{attr} data-k="{key}">{_e(value)}</{tag}>'
 
+    def card(self, title: str, big: str, *subs: str | tuple[str, str, str], extra: str = "") -> str:
+        """A card: its title, the ``big`` figure and the ``subs`` lines below it (``sub warn``:
+        a ``(key, class)`` pair), ``extra`` markup last."""
+        lines = "".join(self.k(*sub) if isinstance(sub, tuple) else self.k(sub, "p", "sub") for sub in subs)
+        return f'<article class="card"><h2>{title}</h2>{self.k(big, "p", "big")}{lines}{extra}</article>'
+
     def empty(self, name: str, message: str) -> str:
         hidden = " hidden" if self.lists[name] else ""
         return f'<p class="empty" data-empty="{name}"{hidden}>{_e(message)}</p>'
@@ -191,13 +197,11 @@ def _operator_cards(slots: _Slots) -> str:
         f'<article class="card hit" data-tone-k="hit_tone" data-tone="{_e(text["hit_tone"])}">'
         f'<h2>Cache hit</h2>{k("hit_total", "p", "big")}'
         f'{k("hit_tokens", "p", "sub")}{k("hit_recent", "p", "sub")}</article>'
-        f'<article class="card"><h2>Rescued by repair</h2>{k("rescued", "p", "big")}{k("rescued_note", "p", "sub")}</article>'
-        f'<article class="card"><h2>Cost today</h2>{k("cost_today", "p", "big")}{k("cost_split", "p", "sub")}'
-        f'{k("today_since", "p", "sub")}{k("cost_note", "p", "sub warn")}</article>'
-        f'<article class="card"><h2>Requests</h2>{k("requests", "p", "big")}{k("requests_note", "p", "sub")}'
-        f'{k("tokens_note", "p", "sub")}</article>'
-        f'<article class="card"><h2>Prefix breaks</h2>{k("breaks_total", "p", "big")}<p class="sub">since start, by reason below</p></article>'
-        "</section>"
+        + slots.card("Rescued by repair", "rescued", "rescued_note")
+        + slots.card("Cost today", "cost_today", "cost_split", "today_since", ("cost_note", "p", "sub warn"))
+        + slots.card("Requests", "requests", "requests_note", "tokens_note")
+        + slots.card("Prefix breaks", "breaks_total", extra='<p class="sub">since start, by reason below</p>')
+        + "</section>"
     )
 
 
@@ -223,13 +227,12 @@ def _chart(slots: _Slots) -> str:
 
 def _tenant_cards(slots: _Slots) -> str:
     """A tenant's cards: its own sessions."""
-    k = slots.k
     return (
         '<section class="cards" aria-label="Your sessions">'
-        f'<article class="card"><h2>Your sessions</h2>{k("mine_sessions", "p", "big")}{k("mine_turns", "p", "sub")}</article>'
-        f'<article class="card"><h2>Cache hit</h2>{k("mine_hit", "p", "big")}{k("mine_tokens", "p", "sub")}</article>'
-        f'<article class="card"><h2>Cost</h2>{k("mine_cost", "p", "big")}{k("mine_repaired", "p", "sub")}</article>'
-        "</section>"
+        + slots.card("Your sessions", "mine_sessions", "mine_turns")
+        + slots.card("Cache hit", "mine_hit", "mine_tokens")
+        + slots.card("Cost", "mine_cost", "mine_repaired")
+        + "</section>"
     )
 
 
