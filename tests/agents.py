@@ -15,7 +15,7 @@ import json
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 SYSTEM = "You are a careful coding agent working in a repository.\n" + "\n".join(
     f"{i}. Rule {i}: keep change {i * 7} small, name file_{i}.py precisely, and test edge case {i * 13}."
@@ -208,17 +208,21 @@ class Turn:
     resent: int = 0
     """How many leading messages of the request an earlier request or reply already carried."""
 
+    PROMPT: ClassVar[str] = "prompt_tokens"
+    """The usage member with the prompt's tokens (the Responses API says ``input_tokens``)."""
+    DETAILS: ClassVar[str] = "prompt_tokens_details"
+
     @property
     def usage(self) -> dict[str, Any]:
         return self.response.get("usage") or {}
 
     @property
     def cached(self) -> int:
-        return int((self.usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        return int((self.usage.get(self.DETAILS) or {}).get("cached_tokens") or 0)
 
     @property
     def prompt(self) -> int:
-        return int(self.usage.get("prompt_tokens") or 0)
+        return int(self.usage.get(self.PROMPT) or 0)
 
 
 @dataclass

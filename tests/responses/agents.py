@@ -23,7 +23,7 @@ import random
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 import orjson
@@ -32,6 +32,11 @@ from aiohttp.test_utils import TestServer
 from proxy.sim.items import check_tools, input_items, render_response_segments
 from proxy.sim.render import encode_segments
 from proxy.sim.steering import TOOL_CALLS_HEADER
+from tests.agents import Turn as ChatTurn
+from tests.agents import (  # the tools drift the same in both APIs
+    schema_keys_shuffled,
+    tools_reordered,
+)
 
 INSTRUCTIONS = "You are a careful coding agent working in a repository. Follow every rule below.\n" + "\n".join(
     f"{i}. Rule {i}: keep change {i * 7} small, name file_{i}.py precisely, test edge case {i * 13}, "
@@ -92,27 +97,6 @@ def no_drift(items: Items, tools: Tools, turn: int) -> tuple[Items, Tools]:
 
 def _kind(item: dict[str, Any]) -> str:
     return str(item.get("type") or ("message" if "role" in item else ""))
-
-
-def tools_reordered(items: Items, tools: Tools, turn: int) -> tuple[Items, Tools]:
-    """The tools array in another order every request (tool maps, MCP servers)."""
-    k = turn % len(tools)
-    return items, tools[k:] + tools[:k] if k else list(reversed(tools))
-
-
-def _shuffled(obj: Any, rng: random.Random) -> Any:
-    if isinstance(obj, dict):
-        keys = list(obj)
-        rng.shuffle(keys)
-        return {k: _shuffled(obj[k], rng) for k in keys}
-    if isinstance(obj, list):
-        return [_shuffled(v, rng) for v in obj]
-    return obj
-
-
-def schema_keys_shuffled(items: Items, tools: Tools, turn: int) -> tuple[Items, Tools]:
-    """Tool definitions with their keys (schema keys included) in another order every request."""
-    return items, _shuffled(tools, random.Random(turn))
 
 
 def _each_call(items: Items, fn: Callable[[dict[str, Any]], None]) -> None:
@@ -256,23 +240,11 @@ PARALLEL = frozenset({"tool_outputs_reordered"})
 
 
 @dataclass
-class Turn:
-    request: dict[str, Any]
-    response: dict[str, Any]
-    resent: int = 0
-    """How many leading input items an earlier request or response already carried."""
+class Turn(ChatTurn):
+    """A Responses turn (``resent``: leading input items an earlier request or response carried)."""
 
-    @property
-    def usage(self) -> dict[str, Any]:
-        return self.response.get("usage") or {}
-
-    @property
-    def cached(self) -> int:
-        return int((self.usage.get("input_tokens_details") or {}).get("cached_tokens") or 0)
-
-    @property
-    def prompt(self) -> int:
-        return int(self.usage.get("input_tokens") or 0)
+    PROMPT: ClassVar[str] = "input_tokens"
+    DETAILS: ClassVar[str] = "input_tokens_details"
 
     @property
     def headers(self) -> dict[str, str]:
