@@ -353,16 +353,24 @@ def _chain(
 
     if clean and not in_order(order, clean):
         clean = 0  # a tool-result group was put back in its stored order from before there
+    if len(order) == n and in_order(order, n):
+        # Nothing moved or collapsed (the usual case): the forwarded order is the request's.
+        identities, clean_sizes = (tools_id, *msg_ids), (-1, *sizes)
+        forwarded_dumped = (None, *dumped) if dumped is not None else ()
+    else:
+        identities = (tools_id, *[msg_ids[r] for r in order])
+        clean_sizes = (-1, *[sizes[r] for r in order])
+        forwarded_dumped = (None, *[dumped[r] for r in order]) if dumped is not None else ()
     return Match(
         root=root,
-        identities=(tools_id, *[msg_ids[r] for r in order]),
+        identities=identities,
         keys=tuple(keys),
         order=tuple(order),
         matched=len(nodes),
         nodes=tuple(nodes),
         policy=policy,
-        clean_sizes=(-1, *[sizes[r] for r in order]),
-        dumped=(None, *[dumped[r] for r in order]) if dumped is not None else (),
+        clean_sizes=clean_sizes,
+        dumped=forwarded_dumped,
         message_ids=tuple(msg_ids),
         message_sizes=tuple(sizes),
         message_dumped=tuple(dumped) if dumped is not None else (),

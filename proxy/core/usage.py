@@ -66,8 +66,19 @@ def extract_usage(obj: Mapping[str, Any]) -> Usage | None:
     Returns ``None`` when ``obj`` carries no usage at all (no readable count,
     no billed cost, no timings).
     """
-    if type(obj) is not dict and not isinstance(obj, Mapping):
+    if type(obj) is dict:
+        usage_block = obj.get("usage")
+        if type(usage_block) is dict and "openhuman" not in obj and "timings" not in obj:
+            fast = _openai_usage(usage_block)
+            if fast is not None:
+                return fast
+    elif not isinstance(obj, Mapping):
         return None
+    return _extract(obj)
+
+
+def _extract(obj: Mapping[str, Any]) -> Usage | None:
+    """:func:`extract_usage`, every shape."""
     usage = _mapping(obj.get("usage"))
     openhuman = _mapping(obj.get("openhuman"))
     timings = _timings(obj.get("timings"))
@@ -107,6 +118,43 @@ def extract_usage(obj: Mapping[str, Any]) -> Usage | None:
         source=source,
         timings=timings or None,
     )
+
+
+_OPENAI_KEYS = frozenset(
+    ("prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "completion_tokens_details")
+)
+_PROMPT_DETAIL_KEYS = frozenset(("cached_tokens", "audio_tokens"))
+_COMPLETION_DETAIL_KEYS = frozenset(
+    ("reasoning_tokens", "audio_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
+)
+
+
+def _openai_usage(usage: dict[str, Any]) -> Usage | None:
+    """The usage block OpenAI and most OpenAI-compatible servers send (plain counts, only the keys
+    above), read directly; None for anything else, which :func:`_extract` reads. Gives exactly
+    what :func:`_extract` gives for such a block (property-tested)."""
+    if not _OPENAI_KEYS.issuperset(usage):
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    if type(prompt) is not int or prompt < 0 or type(completion) is not int or completion < 0:
+        return None
+    cached = reasoning = None
+    details = usage.get("prompt_tokens_details")
+    if details is not None:
+        if type(details) is not dict or not _PROMPT_DETAIL_KEYS.issuperset(details):
+            return None
+        cached = details.get("cached_tokens")
+        if cached is not None and (type(cached) is not int or cached < 0):
+            return None
+    details = usage.get("completion_tokens_details")
+    if details is not None:
+        if type(details) is not dict or not _COMPLETION_DETAIL_KEYS.issuperset(details):
+            return None
+        reasoning = details.get("reasoning_tokens")
+        if reasoning is not None and (type(reasoning) is not int or reasoning < 0):
+            return None
+    return Usage(prompt, completion, cached, None, reasoning, None, "openai")
 
 
 def _token_totals(

@@ -73,7 +73,7 @@ class LocalStore:
         store = self.local
         if turn.nodes:
             store.insert(turn.nodes)
-        store.touch(turn.path, turn.now)
+        store.touch(turn.path[-1:], turn.now)  # the deepest node: its parents' use follows it (MemoryStore.touch)
         if isinstance(store, MemoryStore):  # memory and sqlite: a lookup per key, no copies
             previous = store.last_session(turn.path)
         else:

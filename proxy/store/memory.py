@@ -168,6 +168,8 @@ class MemoryStore:
         return added
 
     def touch(self, keys: Sequence[bytes], now: float) -> None:
+        """``keys`` were used at ``now``. Touching the deepest node of a path is enough: a parent
+        is evicted only after its children, and takes the latest use of theirs as they go."""
         used, leaves, hook = self._index.used, self._index.leaves, self._touch_hook
         for key in keys:
             last = used.get(key)
@@ -290,7 +292,7 @@ class MemoryStore:
             self._index.order_leaves()
 
     def _evict(self, target: int, cutoff: float) -> int:
-        count = evict_leaves(self._index, self._sessions, target, cutoff, self._gone)
+        count = evict_leaves(self._index, self._sessions, target, cutoff, self._gone, self._touch_hook)
         self._evicted += count
         return count
 

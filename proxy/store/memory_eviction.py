@@ -35,10 +35,12 @@ def evict_leaves(
     target: int,
     cutoff: float,
     gone: Callable[[bytes, bytes | None, bool], None],
+    raised: Callable[[bytes, float], None] | None = None,
 ) -> int:
     """Evict LRU leaves while the store holds over ``target`` bytes or while the LRU leaf was
     last used at or before ``cutoff``. ``gone(key, freed_blob, had_totals)`` is told of each
-    node removed (with its session totals). Returns how many went."""
+    node removed (with its session totals); ``raised(key, used)`` of each stored node whose last
+    use was raised to that of a removed child. Returns how many went."""
     leaves, used = index.leaves, index.used
     removal = Removal(index)
     count = 0
@@ -53,4 +55,8 @@ def evict_leaves(
             gone(key, freed, had_totals)
     finally:
         removal.finish()
+        if raised is not None:
+            for key, when in removal.raised.items():
+                if key in index.nodes:
+                    raised(key, when)
     return count

@@ -162,7 +162,7 @@ class Removal:
     """One run of leaf removals. Each node's bytes are accounted as it goes; the children and
     identity lists it was in are rebuilt once, in :meth:`finish`: O(1) per removed node."""
 
-    __slots__ = ("_from_identity", "_from_parent", "_ids_left", "_index", "_kids_left")
+    __slots__ = ("_from_identity", "_from_parent", "_ids_left", "_index", "_kids_left", "raised")
 
     def __init__(self, index: NodeIndex) -> None:
         self._index = index
@@ -170,6 +170,8 @@ class Removal:
         self._ids_left: dict[tuple[bytes, bytes], int] = {}
         self._from_parent: dict[bytes, set[bytes]] = {}
         self._from_identity: dict[tuple[bytes, bytes], set[bytes]] = {}
+        self.raised: dict[bytes, float] = {}
+        """Parents whose last use was raised to a removed child's (see :meth:`remove`)."""
 
     def remove(self, key: bytes) -> bytes | None:
         """Remove the leaf ``key``; returns the hash of the body it held last (freed), or None.
@@ -177,7 +179,15 @@ class Removal:
         index = self._index
         del index.leaves[key]
         node = index.nodes.pop(key)
-        del index.used[key]
+        last_used = index.used.pop(key)
+        if node.depth > 0:
+            # A request touches only the deepest node of its path (MemoryStore.touch): a parent's
+            # last use is the latest of its own and its children's, carried up as they go, so it
+            # is what touching every node of every path would have made it when it becomes a leaf.
+            parent_used = index.used.get(node.parent)
+            if parent_used is not None and parent_used < last_used:
+                index.used[node.parent] = last_used
+                self.raised[node.parent] = last_used
         freed: bytes | None = None
         digest = blob_hash(node.body)
         blob = index.blobs[digest]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
@@ -433,3 +433,68 @@ def test_never_raises_and_counts_are_sane(obj: Any) -> None:
             math.isfinite(usage.billed_usd) and usage.billed_usd >= 0
         )
         assert usage.source in {"openai", "openhuman", "anthropic", "deepseek", "llamacpp"}
+
+
+_count_value = st.one_of(
+    st.integers(min_value=-3, max_value=10**12), st.none(), st.booleans(), st.floats(allow_nan=True), st.text(max_size=3)
+)
+
+
+def _block(keys: list[str], values: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.dictionaries(st.sampled_from(keys), values, max_size=len(keys))
+
+
+_plain_count = st.one_of(st.integers(min_value=-1, max_value=10**6), _count_value)
+_openai_like = st.fixed_dictionaries(
+    {"prompt_tokens": _plain_count, "completion_tokens": _plain_count},
+    optional={
+        "total_tokens": _plain_count,
+        "prompt_tokens_details": st.one_of(
+            _block(["cached_tokens", "audio_tokens"], _plain_count), st.none(), _count_value
+        ),
+        "completion_tokens_details": st.one_of(
+            _block(["reasoning_tokens", "audio_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens"], _plain_count),
+            st.none(),
+        ),
+    },
+)
+"""OpenAI's block, its counts mostly plain; the other shapes' keys come as ``noise``."""
+_noise = st.one_of(
+    st.just({}),
+    _block(["input_tokens", "cost", "is_byok", "cache_read_input_tokens", "prompt_cache_hit_tokens"], _count_value),
+    st.fixed_dictionaries({"input_tokens_details": _block(["cached_tokens"], _count_value)}),
+    st.fixed_dictionaries({"prompt_tokens_details": _block(["cached_tokens", "cache_write_tokens"], _plain_count)}),
+)
+
+
+@settings(max_examples=1000, deadline=None)
+@example(usage={"prompt_tokens": 1, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": -1}}, noise={}, extra={})
+@example(usage={"prompt_tokens": 1, "completion_tokens": 2, "completion_tokens_details": {"reasoning_tokens": True}}, noise={}, extra={})
+@example(usage={"prompt_tokens": 1.0, "completion_tokens": 2}, noise={}, extra={})
+
+
+
+@given(
+    usage=_openai_like,
+    noise=_noise,
+    extra=st.sampled_from([{}, {}, {"timings": {"cache_n": 5, "prompt_n": 2}}, {"openhuman": {"usage": {"input_tokens": 9}}}]),
+)
+def test_the_openai_fast_path_reads_what_the_general_path_reads(
+    usage: dict[str, Any], noise: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    """``extract_usage`` reads the plain OpenAI block directly: the same ``Usage`` as the reader of
+    every shape, for every block (the fast path declines what it does not know)."""
+    from proxy.core.usage import _extract
+
+    body = {"id": "x", "choices": [], "usage": {**usage, **noise}, **extra}
+    assert extract_usage(body) == _extract(body)
+
+
+def test_the_openai_fast_path_is_taken_for_the_openai_shapes() -> None:
+    """It must be able to fail: the fast path reads OpenAI's documented blocks itself."""
+    from proxy.core.usage import _openai_usage
+
+    for body in (OPENAI_BODY, OPENAI_USAGE_CHUNK):
+        fast = _openai_usage(body["usage"])
+        assert fast is not None and fast == extract_usage(body)
+    assert _openai_usage({"prompt_tokens": 1, "completion_tokens": 2, "cost": 0.1}) is None

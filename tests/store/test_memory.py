@@ -17,6 +17,8 @@ from proxy.store.factory import make_store
 from proxy.store.local import LocalStore
 from proxy.store.memory import MemoryStore, blob_cost, node_cost
 
+from .conftest import FakeClock
+
 BIG = 10**12
 
 
@@ -368,3 +370,44 @@ def test_factory_rejects_unknown_backends(backend):
     with pytest.raises(ConfigError) as info:
         make_store(_settings(backend))
     assert info.value.key == "store.backend"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_touching_the_deepest_node_evicts_as_touching_the_whole_path(tenant, make_path, seed):
+    """A request touches only its path's deepest node (O(1), not O(messages)): the store evicts
+    exactly what it would have evicted had every node of every path been touched, by TTL and
+    by budget, and keeps the same last use for every leaf."""
+    rng = random.Random(seed)
+    whole_clock, deep_clock = FakeClock(), FakeClock()
+    whole = MemoryStore(120, BIG, clock=whole_clock)
+    deep = MemoryStore(120, BIG, clock=deep_clock)
+    paths: list[list] = []
+    for step in range(400):
+        pause = rng.choice((0.5, 1, 3))
+        whole_clock.advance(pause)
+        deep_clock.advance(pause)
+        if not paths or rng.random() < 0.4:
+            msgs = [("system", f"s{rng.randint(0, 2)}")] + [f"u{rng.randint(0, 3)}" for _ in range(rng.randint(0, 4))] + [f"x{step}"]
+            paths.append(make_path(tenant, msgs))
+            whole.insert(paths[-1])
+            deep.insert(paths[-1])
+        else:
+            # A request re-sends some stored prefix: the whole path vs its deepest node.
+            path = rng.choice(paths)
+            path = path[: rng.randint(1, len(path))]
+            keys = [n.key for n in path if whole.get(n.key) is not None]
+            keys = keys[: next((i for i, n in enumerate(path) if whole.get(n.key) is None), len(path))]
+            whole.touch(keys, whole_clock.now)
+            deep.touch(keys[-1:], deep_clock.now)
+        roll = rng.random()
+        if roll < 0.1:
+            assert whole.evict(whole_clock.now) == deep.evict(deep_clock.now)
+        elif roll < 0.15:
+            budget = int(whole.stats().bytes * rng.uniform(0.5, 0.95))
+            whole._max_bytes = deep._max_bytes = budget
+            assert whole.evict(whole_clock.now) == deep.evict(deep_clock.now)
+            whole._max_bytes = deep._max_bytes = BIG
+        assert set(whole._nodes) == set(deep._nodes)
+        assert list(whole._leaves) == list(deep._leaves)
+        assert {k: whole._used[k] for k in whole._leaves} == {k: deep._used[k] for k in deep._leaves}
+    assert whole.stats().evicted > 50  # both triggers were exercised
