@@ -186,7 +186,7 @@ class Pipeline:
         """Keep the body, where its messages are and what they are, for the tenant's next turn."""
         if plan is not None and plan.match is not None and wire.name in RESENT_WIRES:
             with guard("identify"):
-                self.resent.remember(scope, raw, body, plan.match, recalled, tag=wire, clean=plan.clean)
+                self.resent.remember(scope, raw, body, plan.match, recalled, tag=wire, clean=plan.clean, tools_clean=plan.tools_clean)
 
     async def plan(
         self, wire: Wire, raw: bytes, body: dict[str, Any], root: bytes, guard: FailOpen, recalled: Recalled | None

@@ -40,6 +40,7 @@ from .identity import REASONING_KEYS, canonical_tool_definition, is_text_part, m
 from .match import Match
 from .model import Node, NodeReader, chain
 from .policy import Policy
+from .values import value
 
 __all__ = ["REASONS", "Break", "Span", "diagnose", "span_of"]
 
@@ -86,7 +87,7 @@ class Span:
     """A ``pin_patterns`` regex matching that shape (empty when the span is too long to pin)."""
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Break:
     reason: str
     """One of :data:`REASONS`."""

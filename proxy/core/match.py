@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 import orjson
@@ -28,6 +28,7 @@ import orjson
 from .identity import IdentityMemo, identify_messages, message_identity, tight, tools_identity
 from .model import ROLE_TOOLS, Node, NodeReader, chain, tenant_root
 from .policy import Policy
+from .values import value
 
 __all__ = ["Match", "chain", "match_request", "new_nodes", "tenant_root", "tool_groups"]
 
@@ -35,7 +36,7 @@ _PERMUTATION_BUDGET = 256
 """Most store lookups spent looking for the stored order of one tool-result group."""
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Match:
     """Where a request stands in the tree. Every per-element tuple is in *forwarded* order."""
 
@@ -68,6 +69,8 @@ class Match:
     clean: int = 0
     """Leading messages a previous plan of these very objects found forwarding their stored
     bytes (:class:`KnownPrefix`): repair need not compare them again."""
+    tools_clean: bool = False
+    """The ``tools`` value is the very object a previous plan found forwarding its stored bytes."""
 
     @property
     def matched_messages(self) -> int:
@@ -80,7 +83,7 @@ class Match:
         return self.matched == len(self.keys)
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class KnownPrefix:
     """How the first messages of a body re-sent byte for byte were matched the turn before.
 
@@ -101,6 +104,8 @@ class KnownPrefix:
     """The remembered body's ``tools`` value (the very object)."""
     held: Sequence[Any]
     """The remembered body's messages (the very objects)."""
+    tools_clean: bool = False
+    """Its plan found the ``tools`` value needing no repair."""
 
     def usable(self, body: Mapping[str, Any], root: bytes, policy: Policy) -> int:
         """How many leading messages of ``body`` can be taken as matched (0: none)."""
@@ -246,7 +251,7 @@ def match_request(
     if known is not None and memo is not None:
         k = known.usable(body, root, policy)
         if 0 < k <= n and messages[k - 1] is known.held[k - 1] and get(known.match.keys[k]) is not None:
-            return _match_after(messages, known.match, k, known.clean, store, policy, memo)
+            return _match_after(messages, known.match, k, known.clean, store, policy, memo, known.tools_clean)
 
     dumped: list[bytes | None] | None = [] if memo is not None else None
     msg_ids, sizes = identify_messages(messages, policy, memo, dumped)
@@ -273,8 +278,10 @@ def _match_after(
     store: NodeReader,
     policy: Policy,
     memo: IdentityMemo | None,
+    tools_clean: bool = False,
 ) -> Match:
-    """:func:`match_request` for a body whose first ``k`` messages ``before`` matched in order."""
+    """:func:`match_request` for a body whose first ``k`` messages ``before`` matched in order
+    (and with the same ``tools`` object: ``tools_clean`` when it needed no repair then)."""
     dumped: list[bytes | None] | None = list(before.message_dumped[:k]) if memo is not None else None
     if dumped is not None and len(dumped) < k:
         dumped = None
@@ -283,7 +290,7 @@ def _match_after(
     sizes = [*before.message_sizes[:k], *new_sizes]
     return _chain(
         messages, k, list(before.keys[: k + 1]), list(before.nodes[: k + 1]), list(range(k)), True,
-        msg_ids, sizes, dumped, before.identities[0], before.root, store, policy, memo, min(clean, k),
+        msg_ids, sizes, dumped, before.identities[0], before.root, store, policy, memo, min(clean, k), tools_clean,
     )
 
 
@@ -303,6 +310,7 @@ def _chain(
     policy: Policy,
     memo: IdentityMemo | None,
     clean: int,
+    tools_clean: bool = False,
 ) -> Match:
     """Chain the keys of ``messages[i:]`` after ``keys`` (the elements before, ``order`` their
     message indices), matching while ``matching``; the :class:`Match` of the whole body.
@@ -375,6 +383,7 @@ def _chain(
         message_sizes=tuple(sizes),
         message_dumped=tuple(dumped) if dumped is not None else (),
         clean=clean,
+        tools_clean=tools_clean,
     )
 
 

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from .values import value
+
 __all__ = ["ROLE_TOOLS", "Node", "NodeReader", "SessionTotals", "TurnWrite", "chain", "tenant_root"]
 
 
@@ -37,7 +39,7 @@ ROLE_TOOLS = "tools"
 """Role of the pseudo-element 0 that holds a request's ``tools`` array."""
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Node:
     """One element of a stored transcript, in the canonical form the provider first saw."""
 
@@ -110,7 +112,7 @@ class NodeReader(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class TurnWrite:
     """One turn to record: computed purely from the plan and the reply, written by the store."""
 

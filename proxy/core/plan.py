@@ -15,7 +15,7 @@ upstream unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from .breaks import Break, diagnose
@@ -29,11 +29,12 @@ from .record import Reply
 from .repair import NO_REPAIR, RepairPlan, plan_repair
 from .splice import Refusal, try_splice
 from .usage import Usage
+from .values import value
 
 __all__ = ["TurnPlan", "plan_turn", "turn_write"]
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class TurnPlan:
     """What kvwarm decided for one request before forwarding it."""
 
@@ -58,6 +59,8 @@ class TurnPlan:
     clean: int = 0
     """Leading matched messages repair compared with their stored bytes and left as they are
     (0 when repair is off or failed): the next turn need not compare them again."""
+    tools_clean: bool = False
+    """Repair compared the ``tools`` value with its stored bytes and left it as it is."""
 
     @property
     def matched_messages(self) -> int:
@@ -112,12 +115,14 @@ def _plan(
     with guard("match"):
         match = match_request(body, root, reader, policy, memo, known)
     clean = 0
+    tools_clean = False
     if match is not None:
         with guard("repair"):
             repair = plan_repair(body, match, policy)
             if policy.repair:
                 repaired = [r.depth for r in repair.repairs if r.depth >= 1]
                 clean = min(repaired) - 1 if repaired else match.matched_messages
+                tools_clean = match.matched >= 1 and all(r.depth != 0 for r in repair.repairs)
         with guard("diagnose"):
             brk = diagnose(body, match, reader)
     messages = body.get("messages")
@@ -129,6 +134,7 @@ def _plan(
         forwarded=repair.body if repair.body is not None else body,
         messages=len(messages) if isinstance(messages, list) else 0,
         clean=clean,
+        tools_clean=tools_clean,
     )
 
 

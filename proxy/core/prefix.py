@@ -30,7 +30,6 @@ import itertools
 import re
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -38,6 +37,7 @@ import orjson
 from .identity import IdentityMemo
 from .match import KnownPrefix, Match, in_order
 from .splice import _Refused, _skip_value
+from .values import value
 
 __all__ = ["PrefixMemo", "Recalled"]
 
@@ -52,7 +52,7 @@ _WINDOW = 64
 """Bytes compared first, just before a message's end."""
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Recalled:
     """A body rebuilt from a remembered one and its own new bytes."""
 
@@ -76,7 +76,9 @@ class Recalled:
         source = self.source
         if source.match is None:
             return None
-        return KnownPrefix(self.shared, source.match, source.clean, source.top.get("tools"), source.messages)
+        return KnownPrefix(
+            self.shared, source.match, source.clean, source.top.get("tools"), source.messages, source.tools_clean
+        )
 
 
 class _Body:
@@ -84,7 +86,7 @@ class _Body:
 
     __slots__ = (
         "before", "clean", "close", "cost", "ends", "first_key", "match", "messages", "raw", "start", "tag",
-        "tools", "top", "view",
+        "tools", "tools_clean", "top", "view",
     )
 
     def __init__(
@@ -122,6 +124,8 @@ class _Body:
         self.match: Match | None = None
         """How this body was matched (the next body's :class:`~proxy.core.match.KnownPrefix`)."""
         self.clean = 0
+        self.tools_clean = False
+        """Its plan found its ``tools`` value needing no repair."""
         """Its leading messages that needed no repair."""
         # The bytes, the parsed values and the match's serialized messages: about its size each.
         self.cost = 3 * len(raw) + IdentityMemo.HELD_OVERHEAD * (len(self.messages) + 1) + 512
@@ -259,11 +263,12 @@ class PrefixMemo:
         recalled: Recalled | None = None,
         tag: Any = None,
         clean: int = 0,
+        tools_clean: bool = False,
     ) -> bool:
         """Keep ``body`` (parsed from ``raw``, planned into ``match`` with this memo's identity
         memo) for the next bodies of ``scope``. ``recalled``: how it was rebuilt, if it was;
-        ``clean``: its leading messages the plan found needing no repair. False when it cannot
-        be kept (not located, too large, no messages)."""
+        ``clean``: its leading messages the plan found needing no repair (``tools_clean``: its
+        ``tools`` value). False when it cannot be kept (not located, too large, no messages)."""
         messages = body.get("messages")
         if (
             type(messages) is not list
@@ -305,6 +310,7 @@ class PrefixMemo:
         entry.match = match
         # The last message is compared as the final one when it is: not once it is followed.
         entry.clean = min(clean, len(messages) - 1)
+        entry.tools_clean = tools_clean
         bodies.insert(0, entry)
         self._size += entry.cost
         while len(bodies) > self.MAX_BODIES:

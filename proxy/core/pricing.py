@@ -37,6 +37,8 @@ import proxy
 from proxy.core.usage import Usage
 from proxy.errors import ConfigError
 
+from .values import value
+
 __all__ = ["Cost", "Price", "PriceTable", "cost_of"]
 
 _FIELDS = ("input", "cached_input", "cache_write", "output")
@@ -74,7 +76,7 @@ class Price:
 _FREE = Price(input=0.0, cached_input=0.0, cache_write=0.0, output=0.0)
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Cost:
     """What one response cost."""
 

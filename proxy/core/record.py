@@ -14,15 +14,16 @@ are ignored.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
+
+from .values import value
 
 __all__ = ["Reply", "ReplyAssembler", "reply_from_body"]
 
 _REASONING_KEYS = ("reasoning_content", "reasoning")
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Reply:
     """One generated assistant message."""
 

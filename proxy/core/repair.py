@@ -14,7 +14,6 @@ identity match guarantees that a restored value means the same as the client's.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -29,6 +28,7 @@ from .identity import (
 from .match import Match, tool_groups
 from .policy import Policy
 from .splice import Edit, Insert, Reorder, Replace
+from .values import value
 
 __all__ = ["REPAIR_KINDS", "Repair", "RepairPlan", "plan_repair"]
 
@@ -46,7 +46,7 @@ REPAIR_KINDS = (
 """Every :attr:`Repair.kind` (a bounded metrics label)."""
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Repair:
     depth: int
     """Element depth (0 = tools). For ``duplicate_collapsed``: the forwarded depth the dropped
@@ -55,7 +55,7 @@ class Repair:
     """One of :data:`REPAIR_KINDS`."""
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class RepairPlan:
     repairs: tuple[Repair, ...]
     body: dict[str, Any] | None
@@ -82,7 +82,7 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
     edits: list[Edit] = []
     new_tools: Any = _SAME
 
-    if match.matched >= 1:
+    if match.matched >= 1 and not match.tools_clean:
         fixed_tools = _repair_tools(body.get("tools"), match.nodes[0].body)
         if fixed_tools is not None:
             new_tools, kind = fixed_tools

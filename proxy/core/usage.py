@@ -29,15 +29,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from .values import value
 
 __all__ = ["Usage", "extract_usage", "is_usage_only_chunk", "merge_usage"]
 
 _T = TypeVar("_T")
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Usage:
     """Token counts (and the billed cost, when a provider bills) of one response."""
 
@@ -203,15 +204,15 @@ def _cached(
     timings: Mapping[str, float],
 ) -> tuple[int | None, str]:
     """The cached prompt tokens and the shape that reported them (None: unknown, not zero)."""
-    for value, shape in (
+    for count, shape in (
         (_count(oh_usage.get("cached_input_tokens")), "openhuman"),
         (_count(usage.get("prompt_cache_hit_tokens")), "deepseek"),
         (_count(usage.get("cache_read_input_tokens")), "anthropic"),
         (_count(details.get("cached_tokens")), "openai"),
         (_count(timings.get("cache_n")) if timings else None, "llamacpp"),
     ):
-        if value is not None:
-            return value, shape
+        if count is not None:
+            return count, shape
     return None, "openai"
 
 

@@ -31,6 +31,7 @@ from ..core.policy import Policy
 from ..core.record import Reply
 from ..core.sse import SSEEvent
 from ..core.usage import Usage
+from ..core.values import value
 from ..traits import UpstreamTraits
 
 __all__ = [
@@ -100,7 +101,7 @@ class Observer(Protocol):
 
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Outgoing:
     """What goes upstream."""
 

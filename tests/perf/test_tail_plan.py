@@ -116,6 +116,8 @@ class Planner:
         self.known = 0
         """Plans that started from the previous turn's match (:class:`KnownPrefix`) and skipped
         repair's comparison of messages it found clean."""
+        self.tools_known = 0
+        """Of them, plans that skipped the comparison of the ``tools`` value too."""
 
     def plan(self, raw: bytes, root: bytes) -> tuple[dict[str, Any], TurnPlan]:
         recalled = self.resent.recall(("scope", root), raw) if self.resent is not None else None
@@ -128,8 +130,9 @@ class Planner:
         known = recalled.known if recalled is not None else None
         plan = plan_turn(body, root, self.store.view(root), self.policy, self.memo, raw=raw, known=known)
         self.known += known is not None and plan.match is not None and plan.match.clean > 0
+        self.tools_known += known is not None and plan.match is not None and plan.match.tools_clean
         if self.resent is not None and plan.match is not None:
-            self.resent.remember(("scope", root), raw, body, plan.match, recalled, clean=plan.clean)
+            self.resent.remember(("scope", root), raw, body, plan.match, recalled, clean=plan.clean, tools_clean=plan.tools_clean)
         return body, plan
 
     def record(self, plan: TurnPlan, reply: dict[str, Any]) -> None:
@@ -266,6 +269,7 @@ def test_no_drift_parses_only_the_new_messages() -> None:
     # From the third turn on, each plan starts where the previous one's match ended (the
     # previous turn's new messages were not stored yet when it was planned: matched here).
     assert tail.known == len(bodies) - 2
+    assert tail.tools_known == len(bodies) - 2  # the same tools object, found clean: not serialized again
     for before, after in itertools.pairwise(bodies):
         shared = len(before["messages"])
         assert all(a is b for a, b in zip(after["messages"][:shared], before["messages"], strict=True))
