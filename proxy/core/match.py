@@ -71,6 +71,8 @@ class Match:
     bytes (:class:`KnownPrefix`): repair need not compare them again."""
     tools_clean: bool = False
     """The ``tools`` value is the very object a previous plan found forwarding its stored bytes."""
+    ordered: bool = False
+    """Known to forward every request message in place (``order`` is ``0 .. n-1``); False: look at ``order``."""
 
     @property
     def matched_messages(self) -> int:
@@ -113,7 +115,7 @@ class KnownPrefix:
         k = min(self.messages, m.matched - 1, len(self.held))
         if k <= 0 or m.root != root or m.policy != policy or body.get("tools") is not self.tools:
             return 0
-        if len(m.message_ids) < k or not in_order(m.order, k):
+        if len(m.message_ids) < k or not (m.ordered or in_order(m.order, k)):
             return 0  # something before it moved or was collapsed: match it all again
         return k
 
@@ -314,8 +316,11 @@ def _chain(
 ) -> Match:
     """Chain the keys of ``messages[i:]`` after ``keys`` (the elements before, ``order`` their
     message indices), matching while ``matching``; the :class:`Match` of the whole body.
-    ``clean``: leading messages known to need no repair (while they keep their places)."""
+    ``clean``: leading messages known to need no repair (while they keep their places). The
+    elements before ``i`` are the request's first messages, in place."""
     n = len(messages)
+    shuffled = False
+    """A message was collapsed or a tool-result group put back in its stored order."""
     get = store.get
     blake2b = hashlib.blake2b
     held = memo._objects.get if memo is not None else None
@@ -334,6 +339,7 @@ def _chain(
             # Keep a repeat the stored transcript itself holds: then it is no replay.
             and not (matching and get(chain(parent, ident)) is not None)
         ):
+            shuffled = True
             i += 1
             continue
         step = held(id(messages[i])) if held is not None else None
@@ -350,6 +356,7 @@ def _chain(
                 group = _group_around(messages, i) if rewrite else None
                 if group is not None and _regroup(group, i, msg_ids, store, order, keys, nodes):
                     # Left the tree inside a tool-result group, found whole in the stored order.
+                    shuffled = True
                     parent = keys[-1]
                     matching = True
                     i = group[1]
@@ -359,9 +366,10 @@ def _chain(
         parent = key
         i += 1
 
-    if clean and not in_order(order, clean):
+    if clean and shuffled and not in_order(order, clean):
         clean = 0  # a tool-result group was put back in its stored order from before there
-    if len(order) == n and in_order(order, n):
+    ordered = not shuffled or (len(order) == n and in_order(order, n))
+    if ordered:
         # Nothing moved or collapsed (the usual case): the forwarded order is the request's.
         identities, clean_sizes = (tools_id, *msg_ids), (-1, *sizes)
         forwarded_dumped = (None, *dumped) if dumped is not None else ()
@@ -384,6 +392,7 @@ def _chain(
         message_dumped=tuple(dumped) if dumped is not None else (),
         clean=clean,
         tools_clean=tools_clean,
+        ordered=ordered,
     )
 
 

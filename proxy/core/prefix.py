@@ -339,7 +339,7 @@ class PrefixMemo:
         settled = kept if source is not None and source.first_key == keys[0] else 0
         order = match.order
         # In order up to there (the usual case): only the steps past it are visited.
-        first = settled if in_order(order, settled) else 0
+        first = settled if match.ordered or in_order(order, settled) else 0
         for p in range(first, len(order)):
             r = order[p]
             if r >= settled:

@@ -90,7 +90,7 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
             edits.append(Replace(("tools",), orjson.dumps(new_tools)))
 
     order = match.order
-    moved = order != tuple(range(len(messages)))
+    moved = not match.ordered and order != tuple(range(len(messages)))
     out: list[Any] | None = [messages[i] for i in order] if moved else None
     if moved:
         repairs.extend(_order_repairs(messages, order))

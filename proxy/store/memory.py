@@ -208,6 +208,10 @@ class MemoryStore:
     def last_session(self, keys: Sequence[bytes]) -> bytes | None:
         """The deepest of ``keys`` that is a session's leaf (holds totals), without copying them."""
         totals = self._sessions.totals
+        if not keys or keys[-1] in totals:  # an agent's next turn: its previous reply ends the path
+            return keys[-1] if keys else None
+        if totals.keys().isdisjoint(keys):  # a new turn under a shared prefix: none (one C loop)
+            return None
         for key in reversed(keys):
             if key in totals:
                 return key

@@ -411,3 +411,18 @@ def test_touching_the_deepest_node_evicts_as_touching_the_whole_path(tenant, mak
         assert list(whole._leaves) == list(deep._leaves)
         assert {k: whole._used[k] for k in whole._leaves} == {k: deep._used[k] for k in deep._leaves}
     assert whole.stats().evicted > 50  # both triggers were exercised
+
+
+def test_last_session_is_the_deepest_leaf_on_the_path_that_holds_totals(tenant, make_path):
+    store = MemoryStore(3600, BIG)
+    path = make_path(tenant, [("system", "s"), "a", ("assistant", "b"), "c", ("assistant", "d")])
+    store.insert(path)
+    keys = [n.key for n in path]
+    assert store.last_session([]) is None
+    assert store.last_session(keys) is None  # no totals anywhere on the path
+    store.add_turn(keys[2], None, SessionTotals(turns=1))
+    assert store.last_session(keys) == keys[2]  # in the middle
+    assert store.last_session(keys[:2]) is None  # above it
+    store.add_turn(keys[4], None, SessionTotals(turns=1))
+    assert store.last_session(keys) == keys[4]  # the deepest one, at the end
+    assert store.last_session(keys[:4]) == keys[2]
