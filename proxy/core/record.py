@@ -46,13 +46,13 @@ class Reply:
 
 def reply_from_body(body: Mapping[str, Any]) -> Reply | None:
     """The reply of a non-streaming chat.completion (``choices[0].message``); None if absent."""
-    if not isinstance(body, Mapping):
+    if type(body) is not dict and not isinstance(body, Mapping):  # orjson gives dicts: no ABC check
         return None
     choice = _first_choice(body.get("choices"))
     if choice is None:
         return None
     source = choice.get("message")
-    if not isinstance(source, Mapping):
+    if type(source) is not dict and not isinstance(source, Mapping):
         return None
     message: dict[str, Any] = {"role": "assistant", "content": source.get("content")}
     for key in _REASONING_KEYS:
@@ -221,7 +221,7 @@ def _first_choice(choices: Any) -> Mapping[str, Any] | None:
     if not isinstance(choices, list):
         return None
     for choice in choices:
-        if isinstance(choice, Mapping):
+        if type(choice) is dict or isinstance(choice, Mapping):
             index = choice.get("index", 0)
             if index == 0 and not isinstance(index, bool):
                 return choice

@@ -105,7 +105,8 @@ class ChatObserver:
         self._guard = guard
         self._success = success
         """A 2xx response: only those carry a reply and usage worth reading."""
-        self._assembler = ReplyAssembler()
+        self._assembler: ReplyAssembler | None = None
+        """The reply of a stream, assembled from its chunks (made at the first event)."""
         self._body = BodyBuffer()
         self.usage: Usage | None = None
 
@@ -115,8 +116,11 @@ class ChatObserver:
         data = event.data
         if data is None:
             return KEEP
+        assembler = self._assembler
+        if assembler is None:
+            assembler = self._assembler = ReplyAssembler()
         if data == DONE:
-            self._assembler.done()
+            assembler.done()
             return KEEP
         try:
             chunk = orjson.loads(data)
@@ -127,7 +131,7 @@ class ChatObserver:
         observed = False
         with self._guard("usage"):
             self._read(chunk)
-            self._assembler.feed(chunk)
+            assembler.feed(chunk)
             observed = True
         if not observed or not self._injected:
             return KEEP
@@ -158,7 +162,7 @@ class ChatObserver:
                     reply = reply_from_body(payload)
             return reply
         with self._guard("record"):
-            reply = self._assembler.result()
+            reply = self._assembler.result() if self._assembler is not None else None
         if reply is not None and client_gone and not reply.partial:
             reply = Reply(reply.message, reply.finish_reason, True, reply.model)
         return reply
