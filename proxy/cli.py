@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -159,11 +160,30 @@ def _serve_worker() -> int:
     return _run_until_signal(orders.settings, lambda: serve_worker(app, orders))
 
 
+GC_YOUNG_THRESHOLD = 20_000
+"""Allocations between two collections of the youngest generation (CPython's default: 700)."""
+
+
+def _tune_gc() -> None:
+    """A server's garbage collector, tuned for a process whose heap is mostly long-lived nodes.
+
+    With CPython's defaults the cyclic collector cost kvwarm about 7 % of its CPU per request in
+    the benchmark (a young collection every few dozen requests, a full one every few thousand,
+    walking the whole store). Objects made at startup (modules, the app) are moved out of its
+    sight (``gc.freeze``), and young collections run every 20 000 allocations instead of 700:
+    about the CPU of the collector switched off, while cyclic garbage is still collected.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 10)
+
+
 def _run_until_signal(settings: Settings, serve: Callable[[], Coroutine[Any, Any, None]]) -> int:
     """Run ``serve()`` on a new event loop until it returns or SIGINT / SIGTERM (GracefulExit)
     cancels it; then close the loop as ``web.run_app`` does."""
     from aiohttp.web_runner import GracefulExit
 
+    _tune_gc()
     # web.run_app, unrolled: its TCP site has no connection cap (proxy.guard.GuardedSite has).
     loop = _new_loop(settings.server.uvloop)
     asyncio.set_event_loop(loop)
