@@ -76,9 +76,10 @@ class LocalStore:
         store.touch(turn.path[-1:], turn.now)  # the deepest node: its parents' use follows it (MemoryStore.touch)
         if isinstance(store, MemoryStore):  # memory and sqlite: a lookup per key, no copies
             previous = store.last_session(turn.path)
+            store.count_turn(turn.leaf, previous if previous != turn.leaf else None, turn.totals)
         else:
             previous = next((k for k in reversed(turn.path) if store.totals(k) is not None), None)
-        store.add_turn(turn.leaf, previous if previous != turn.leaf else None, turn.totals)
+            store.add_turn(turn.leaf, previous if previous != turn.leaf else None, turn.totals)
 
     def fill_tokens(self, counts: Mapping[bytes, int]) -> int:
         """Token counts of nodes written uncounted (see :attr:`fills_tokens`); 0 when unsupported."""

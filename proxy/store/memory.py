@@ -223,6 +223,12 @@ class MemoryStore:
         Totals held at ``parent_leaf`` move to ``leaf`` (merged with any already there).
         When ``leaf`` is not stored, the combined totals are returned and nothing is kept.
         """
+        combined, kept = self.count_turn(leaf, parent_leaf, totals)
+        return copy_totals(combined) if kept else combined
+
+    def count_turn(self, leaf: bytes, parent_leaf: bytes | None, totals: SessionTotals) -> tuple[SessionTotals, bool]:
+        """:meth:`add_turn` without the copy: the combined totals (the table's own object when
+        kept: read only) and whether they were kept. The request path's write, which reads nothing back."""
         self._settle()
         now = self._clock()
         turn = totals if totals.turns >= 1 and totals.updated else replace(
@@ -231,13 +237,13 @@ class MemoryStore:
         stored = leaf in self._index.nodes
         combined, moved_from = self._sessions.add(leaf, parent_leaf, turn, now, keep=stored)
         if not stored:
-            return combined
+            return combined, False
         if moved_from is not None:
             self._on_totals(moved_from, None)
         self._on_totals(leaf, combined)
         if self._bytes > self._max_bytes:
             self._evict(low_water(self._max_bytes), _NEVER)
-        return copy_totals(combined)
+        return combined, True
 
     def evict(self, now: float) -> int:
         """Drop nodes unused for ``ttl`` and, over the budget, least-recently-used leaves.
