@@ -210,14 +210,16 @@ class _Batch:
     """Observations not applied yet: increments summed per counter child, and per histogram child
     the sum and the count of each bucket (bounded by the label sets, however many requests)."""
 
-    __slots__ = ("counts", "histograms")
+    __slots__ = ("counts", "histograms", "series")
 
     def __init__(self) -> None:
         self.counts: dict[Any, float] = {}
         self.histograms: dict[Any, list[float]] = {}
+        self.series: list[_Series] = []
+        """Request series holding counter increments of their own (:attr:`_Series.pending`)."""
 
     def __bool__(self) -> bool:
-        return bool(self.counts or self.histograms)
+        return bool(self.counts or self.histograms or self.series)
 
     def inc(self, child: Any, amount: float = 1.0) -> None:
         counts = self.counts
@@ -234,6 +236,9 @@ class _Batch:
             slots[1 + bisect_left(child._upper_bounds, value)] += 1
 
     def apply(self) -> None:
+        series, self.series = self.series, []
+        for kids in series:
+            kids.fold(self)
         counts, histograms = self.counts, self.histograms
         self.counts, self.histograms = {}, {}
         for child, amount in counts.items():
@@ -250,13 +255,15 @@ class _Series:
     """The children one request observes, for one (model, status class, stream), by name: each
     looked up once, when first observed (a series no request observed is not exported)."""
 
-    __slots__ = ("_child", "_kids", "_table")
+    __slots__ = ("_child", "_kids", "_table", "pending")
 
     def __init__(self, child: Callable[..., Any], table: dict[str, tuple[Any, tuple[str, ...]]]) -> None:
         self._child = child
         self._table = table
         """name -> (metric, its label values for this series)."""
         self._kids: dict[str, Any] = {}
+        self.pending: dict[str, float] | None = None
+        """Counter increments by name not added to the batch yet (None: none); see :meth:`fold`."""
 
     def __call__(self, name: str) -> Any:
         kid = self._kids.get(name)
@@ -264,6 +271,13 @@ class _Series:
             metric, values = self._table[name]
             kid = self._kids[name] = self._child(metric, *values)
         return kid
+
+    def fold(self, batch: _Batch) -> None:
+        """Add the pending increments to ``batch`` (a child is made, and exported, even for 0)."""
+        pending, self.pending = self.pending, None
+        if pending:
+            for name, amount in pending.items():
+                batch.inc(self(name), amount)
 
 
 class _FlushOnRead:
@@ -487,21 +501,29 @@ class ProxyMetrics:
         if kids is None:
             kids = self._request_series[(label, status_class, stream)] = self._series_of(label, status_class, stream)
         batch = self._pending()
-        inc, observe = batch.inc, batch.observe
-        inc(kids("requests"))
+        # The counters are summed per series in a plain dict, folded into the batch when it is
+        # applied; the histograms go to the batch's buckets at once (bounded, however many requests).
+        counts = kids.pending
+        if counts is None:
+            counts = kids.pending = {}
+            batch.series.append(kids)
+        get = counts.get
+        counts["requests"] = get("requests", 0.0) + 1
+        observe = batch.observe
         observe(kids("duration"), max(0.0, duration))
         if ttfb is not None:
             observe(kids("ttfb"), max(0.0, ttfb))
         if usage is None:
             if status_class == "2xx":
-                inc(kids("usage_missing"))
+                counts["usage_missing"] = get("usage_missing", 0.0) + 1
         else:
-            self._observe_usage(batch, kids, usage)
+            self._observe_usage(batch, kids, counts, usage)
         if cost is not None:
             if cost.usd is None:
-                inc(kids("unpriced"))
+                counts["unpriced"] = get("unpriced", 0.0) + 1
             else:
-                inc(kids("billed" if cost.billed else "estimated"), max(0.0, cost.usd))
+                name = "billed" if cost.billed else "estimated"
+                counts[name] = get(name, 0.0) + max(0.0, cost.usd)
 
     def _series_of(self, label: str, status_class: str, stream: bool) -> _Series:
         streamed = "true" if stream else "false"
@@ -524,25 +546,25 @@ class ProxyMetrics:
             "hit_ratio": (self.cache_hit_ratio, one),
         })
 
-    def _observe_usage(self, batch: _Batch, kids: _Series, usage: Usage) -> None:
-        inc = batch.inc
+    def _observe_usage(self, batch: _Batch, kids: _Series, counts: dict[str, float], usage: Usage) -> None:
+        get = counts.get
         prompt = usage.prompt_tokens
         if prompt and prompt > 0:
-            inc(kids("prompt"), prompt)
+            counts["prompt"] = get("prompt", 0.0) + prompt
         if usage.completion_tokens and usage.completion_tokens > 0:
-            inc(kids("completion"), usage.completion_tokens)
+            counts["completion"] = get("completion", 0.0) + usage.completion_tokens
         if usage.reasoning_tokens and usage.reasoning_tokens > 0:
-            inc(kids("reasoning"), usage.reasoning_tokens)
+            counts["reasoning"] = get("reasoning", 0.0) + usage.reasoning_tokens
         if usage.cache_write_tokens and usage.cache_write_tokens > 0:
-            inc(kids("cache_write"), usage.cache_write_tokens)
+            counts["cache_write"] = get("cache_write", 0.0) + usage.cache_write_tokens
         cached = usage.cached_tokens
         if cached is None or prompt is None:
             # Without both numbers the response says nothing about the hit ratio.
-            inc(kids("unknown_cache"))
+            counts["unknown_cache"] = get("unknown_cache", 0.0) + 1
             return
         cached = min(max(cached, 0), max(prompt, 0))
-        inc(kids("cached"), cached)
-        inc(kids("cache_known"), prompt)
+        counts["cached"] = get("cached", 0.0) + cached
+        counts["cache_known"] = get("cache_known", 0.0) + prompt
         if prompt > 0:
             batch.observe(kids("hit_ratio"), cached / prompt)
 

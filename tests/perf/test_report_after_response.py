@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.core.match import tenant_root
 from proxy.core.plan import plan_turn
 from proxy.core.policy import Policy
+from proxy.core.pricing import Cost
 from proxy.core.usage import Usage
 from proxy.metrics import LATENCY_BUCKETS, ProxyMetrics
 from proxy.report import Answer, Reporter
@@ -198,3 +199,41 @@ async def test_every_response_is_counted_by_the_next_read(
             lines = [r for r in caplog.records if r.name == "proxy.pipeline" and r.getMessage().startswith("chat ")]
             assert len(lines) == turn + 1
             assert f"prompt={usage.prompt_tokens} " in lines[-1].getMessage()
+
+
+_request = st.fixed_dictionaries({
+    "model": st.sampled_from(["m1", "m2"]),
+    "status": st.sampled_from([200, 200, 502, None]),
+    "stream": st.booleans(),
+    "usage": st.one_of(st.none(), st.builds(
+        Usage, st.one_of(st.none(), st.integers(0, 5000)), st.one_of(st.none(), st.integers(0, 50)),
+        st.one_of(st.none(), st.integers(0, 5000)), st.one_of(st.none(), st.integers(0, 9)),
+        st.one_of(st.none(), st.integers(0, 9)), st.none(), st.just("openai"),
+    )),
+    "cost": st.one_of(st.none(), st.builds(Cost, st.one_of(st.none(), st.floats(0, 1)), st.booleans())),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(_request, max_size=30))
+def test_requests_summed_per_series_export_what_one_at_a_time_exports(requests: list[dict[str, Any]]) -> None:
+    """The request counters are summed per series between two flushes: the same samples (zeros
+    included: a series observed once at 0 is exported) as applying each request on its own."""
+    summed, alone = ProxyMetrics(CollectorRegistry()), ProxyMetrics(CollectorRegistry())
+    for r in requests:
+        for metrics in (summed, alone):
+            metrics.observe_request(duration=0.01, ttfb=0.005, **r)
+        alone.flush()
+    summed.flush()
+
+    def samples(metrics: ProxyMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in metrics.registry.collect() for s in family.samples
+            if not s.name.endswith("_created") and family.name != "kvwarm_build"
+        }
+
+    got, want = samples(summed), samples(alone)
+    assert got.keys() == want.keys()
+    for key, expected in want.items():
+        assert math.isclose(got[key], expected, rel_tol=1e-9, abs_tol=1e-12), key
