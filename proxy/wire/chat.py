@@ -76,6 +76,10 @@ class ChatWire:
         ):
             return Outgoing(base, False)
         edit: Edit
+        if options is None and "stream_options" not in body:
+            first = insert_first_member(base, _USAGE_OPTION)
+            if first is not None:
+                return Outgoing(first, True)
         if options is None:
             edit = Insert((), "stream_options", b'{"include_usage":true}')
         elif isinstance(options, dict):
@@ -171,6 +175,38 @@ class ChatObserver:
         self.usage = merge_usage(self.usage, extract_usage(obj))
         if "timings" in obj:
             self._traits.reports_timings = True
+
+
+_USAGE_OPTION = b'"stream_options":{"include_usage":true}'
+_SKIP_WS = re.compile(rb"[ \t\n\r]*")
+
+
+def insert_first_member(raw: bytes, member: bytes) -> bytes | None:
+    """``raw`` (a parsed chat body without ``stream_options``) with ``member`` as its first member,
+    where that is certain without reading the body through: the bytes :func:`~proxy.core.splice.splice`
+    gives for the same insert, in O(1) Python steps instead of a scan of every member.
+
+    A new top-level member changes no other member's meaning, whatever the body holds; what
+    decides whether the option may be added is its one ``stream`` member, so the body must name
+    ``"stream"`` once, ``"stream_options"`` nowhere, and hold no ``\\u`` escape (which could
+    spell either). Else None: the caller splices.
+    """
+    if raw.count(b'"stream"') != 1 or b'"stream_options"' in raw or b"\\u" in raw:
+        return None
+    start = _after_ws(raw, 0)
+    if start >= len(raw) or raw[start] != 0x7B:  # "{"
+        return None
+    first = _after_ws(raw, start + 1)
+    if first >= len(raw) or raw[first] == 0x7D:  # "}": an empty object (no messages): the splice knows
+        return None
+    view = memoryview(raw)
+    return b"".join((view[: start + 1], member, b",", view[start + 1 :]))
+
+
+def _after_ws(raw: bytes, pos: int) -> int:
+    m = _SKIP_WS.match(raw, pos)
+    assert m is not None  # matches the empty string
+    return m.end()
 
 
 _NULL_USAGE = re.compile(rb',[ \t]*"usage"[ \t]*:[ \t]*null(?=[ \t]*[,}])|"usage"[ \t]*:[ \t]*null[ \t]*,[ \t]*')

@@ -534,3 +534,54 @@ def test_a_planner_shaped_repair_reads_back_as_the_repaired_body(
     if any(isinstance(e, Insert) for e in edits):
         body = {"stream_options": {"include_usage": True}, **body}
     assert orjson.loads(out) == body
+
+
+# -- the chat front-end's one-step insert of the usage option -------------------------------------
+
+_CHAT_KEYS = st.sampled_from(["model", "temperature", "tools", "user", "metadata", "stream", "n"])
+_WRITERS = {
+    "orjson": orjson.dumps,
+    "json.dumps": lambda v: json.dumps(v).encode(),
+    "indented": lambda v: json.dumps(v, indent=2, ensure_ascii=False).encode(),
+    "padded": lambda v: b" \n\t" + json.dumps(v, separators=(" , ", " : "), ensure_ascii=False).encode() + b"\r\n ",
+}
+
+
+@PROPS
+@given(
+    others=st.dictionaries(_CHAT_KEYS, st.one_of(st.integers(), st.text(max_size=8), st.booleans(), st.none()), max_size=4),
+    contents=st.lists(st.one_of(TEXTS, st.just('say "stream"'), st.just("stream_options")), min_size=1, max_size=4),
+    writer=st.sampled_from(sorted(_WRITERS)),
+    stream_first=st.booleans(),
+)
+def test_the_usage_option_inserted_in_one_step_is_the_splice(
+    others: dict[str, Any], contents: list[str], writer: str, stream_first: bool
+) -> None:
+    """``insert_first_member`` gives byte for byte what the splicer gives for the same insert, or
+    declines (None) where it cannot be sure: a second ``"stream"``, a ``"stream_options"`` or a
+    ``\\u`` escape anywhere in the bytes."""
+    from proxy.wire.chat import insert_first_member
+
+    body: dict[str, Any] = {k: v for k, v in others.items() if k != "stream"}
+    messages = [{"role": "user", "content": c} for c in contents]
+    body = {"stream": True, **body, "messages": messages} if stream_first else {**body, "messages": messages, "stream": True}
+    try:
+        raw = _WRITERS[writer](body)
+    except (TypeError, UnicodeEncodeError):  # a lone surrogate only an ASCII-escaping writer can write
+        assume(False)
+    member = b'"stream_options":{"include_usage":true}'
+    fast = insert_first_member(raw, member)
+    slow = splice(raw, (Insert((), "stream_options", b'{"include_usage":true}'),))
+    sure = raw.count(b'"stream"') == 1 and b'"stream_options"' not in raw and b"\\u" not in raw
+    assert (fast is not None) == sure
+    if fast is not None:
+        assert fast == slow
+        assert orjson.loads(fast) == {"stream_options": {"include_usage": True}, **orjson.loads(raw)}
+
+
+def test_the_one_step_insert_declines_a_second_stream_member() -> None:
+    from proxy.wire.chat import insert_first_member
+
+    raw = b'{"model":"m","stream":false,"stream":true,"messages":[{"role":"user","content":"hi"}]}'
+    assert insert_first_member(raw, b'"x":1') is None
+    assert insert_first_member(b'{"stream":true,"messages":[]}', b'"x":1') == b'{"x":1,"stream":true,"messages":[]}'
