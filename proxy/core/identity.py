@@ -518,11 +518,13 @@ class IdentityMemo:
     def get(self, data: bytes) -> tuple[bytes, int] | None:
         return self._entries.get(data)
 
-    def put(self, data: bytes, value: tuple[bytes, int]) -> None:
+    def put(self, data: bytes, value: tuple[bytes, int], *, tight: bool = False) -> None:
+        """Remember ``data``'s identity and clean size; ``tight``: ``data`` holds only its bytes
+        (:func:`tight`), so it is kept itself rather than copied."""
         cost = self._held(len(data)) + self.ENTRY_OVERHEAD
         if cost > self.max_bytes // 16 or data in self._entries:
             return
-        self._entries[bytes(memoryview(data))] = value
+        self._entries[data if tight else bytes(memoryview(data))] = value
         self._size += cost
         if self._size > self.max_bytes:
             self._shrink()
@@ -578,7 +580,8 @@ def identify_messages(
                 keep(known.dumped)
             continue
         try:
-            data: bytes | None = dumps(msg)
+            # A tight copy at once: the one the memo keeps and the caller gets, hashed once.
+            data: bytes | None = bytes(memoryview(dumps(msg)))
         except TypeError:
             data = None
         hit = lookup(data) if data is not None else None
@@ -586,11 +589,11 @@ def identify_messages(
             one_id, one_size = _identify_messages((msg,), policy)
             hit = (one_id[0], one_size[0])
             if data is not None:
-                memo.put(data, hit)
+                memo.put(data, hit, tight=True)
         ids.append(hit[0])
         sizes.append(hit[1])
         if keep is not None:
-            keep(tight(data) if data is not None else None)
+            keep(data)
     return ids, sizes
 
 
