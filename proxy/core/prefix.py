@@ -85,7 +85,7 @@ class _Body:
     """One remembered body."""
 
     __slots__ = (
-        "before", "clean", "close", "cost", "ends", "first_key", "match", "messages", "raw", "start", "tag",
+        "before", "clean", "close", "cost", "ends", "first_key", "last", "match", "messages", "raw", "start", "tag",
         "tools", "tools_clean", "top", "view",
     )
 
@@ -129,6 +129,9 @@ class _Body:
         """Its leading messages that needed no repair."""
         # The bytes, the parsed values and the match's serialized messages: about its size each.
         self.cost = 3 * len(raw) + IdentityMemo.HELD_OVERHEAD * (len(self.messages) + 1) + 512
+        # The windows :meth:`continued` compares first, for the last message and the one before:
+        # a tenant's parallel sessions are told apart by one C call each.
+        self.last = [self._window(k) for k in (len(ends), len(ends) - 1) if k > 0]
 
     def same(self, raw: bytes, k: int) -> bool:
         """``raw`` has this body's first ``k`` messages, byte for byte. The bytes just before the
@@ -139,14 +142,17 @@ class _Body:
         view = self.view
         return raw.startswith(view[cut:end], cut) and raw.startswith(view[:cut])
 
+    def _window(self, k: int) -> tuple[int, bytes, int]:
+        end = self.ends[k - 1]
+        cut = max(0, end - _WINDOW)
+        return cut, self.raw[cut:end], k
+
     def continued(self, raw: bytes) -> int:
         """This body's messages when ``raw`` continues it (all of them) or changes its last turn
         (all but the last); else 0. Two window compares for a body it does not continue."""
-        n = len(self.ends)
-        if self.same(raw, n):
-            return n
-        if n > 1 and self.same(raw, n - 1):
-            return n - 1
+        for cut, window, k in self.last:
+            if raw.startswith(window, cut) and raw.startswith(self.view[:cut]):
+                return k
         return 0
 
     def shared(self, raw: bytes) -> int:
