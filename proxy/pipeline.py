@@ -44,7 +44,7 @@ from .metrics import ProxyMetrics
 from .relay import RelayOutcome, relay
 from .report import Answer, BreakSink, Reporter, visibility_headers
 from .routing import Lease, Replica, Route, Router
-from .store.base import AsyncStore
+from .store.base import AsyncStore, StoreView
 from .store.local import LocalStore
 from .tenancy import TenantRoots
 from .tokens import TokenCounter
@@ -125,7 +125,11 @@ class Pipeline:
             answer = Answer(failed=guard.failed)
             plan: TurnPlan | None = None
             try:
-                plan = await self.plan(wire, raw, body, scope[0], guard, recalled)
+                plan, view = self.plan(wire, raw, body, scope[0], guard, recalled)
+                if view.missing or (self.store.shared and plan.match is not None):
+                    plan = await self.fill(wire, raw, body, scope[0], guard, plan, view)
+                if self._fill_later:
+                    plan = self.exact_rescue(plan, view)
                 route = self.router.route(plan, body, guard)
 
                 def outgoing(replica: Replica) -> Outgoing:  # the bytes depend on the replica's traits
@@ -188,27 +192,33 @@ class Pipeline:
             with guard("identify"):
                 self.resent.remember(scope, raw, body, plan.match, recalled, tag=wire, clean=plan.clean, tools_clean=plan.tools_clean)
 
-    async def plan(
+    def plan(
         self, wire: Wire, raw: bytes, body: dict[str, Any], root: bytes, guard: FailOpen, recalled: Recalled | None
-    ) -> TurnPlan:
-        """Plan against the store's view; a shared store is filled (bounded rounds, within budget) and planned again."""
+    ) -> tuple[TurnPlan, StoreView]:
+        """Plan against the store's view (complete for a local store; a shared one may then be
+        filled, :meth:`fill`)."""
         view = self.store.view(root)
         # A local store keeps a node's parents while it keeps the node: the match of a re-sent
         # conversation's shared messages holds as long as its deepest node is stored.
         known = recalled.known if recalled is not None and not self.store.shared else None
-        plan = wire.plan(raw, body, root, view, self.policy, self.memo, guard, known)
-        if view.missing or (self.store.shared and plan.match is not None):
-            with guard("store"):
-                async with asyncio.timeout(self.settings.store.timeout):
-                    if plan.match is not None:
-                        view.want(plan.match.keys, plan.match.identities)
-                    for _ in range(FILL_ROUNDS):
-                        if not await self.store.fill(view):
-                            break
-                        plan = wire.plan(raw, body, root, view, self.policy, self.memo, guard)
-                        if not view.missing:
-                            break
-        return self.exact_rescue(plan, view) if self._fill_later else plan
+        return wire.plan(raw, body, root, view, self.policy, self.memo, guard, known), view
+
+    async def fill(
+        self, wire: Wire, raw: bytes, body: dict[str, Any], root: bytes, guard: FailOpen, plan: TurnPlan, view: StoreView
+    ) -> TurnPlan:
+        """Fill a shared store's view with what the plan looked up (bounded rounds, within budget)
+        and plan again."""
+        with guard("store"):
+            async with asyncio.timeout(self.settings.store.timeout):
+                if plan.match is not None:
+                    view.want(plan.match.keys, plan.match.identities)
+                for _ in range(FILL_ROUNDS):
+                    if not await self.store.fill(view):
+                        break
+                    plan = wire.plan(raw, body, root, view, self.policy, self.memo, guard)
+                    if not view.missing:
+                        break
+        return plan
 
     async def send(
         self, request: web.Request, route: Route, outgoing: Callable[[Replica], Outgoing], answer: Answer, started: float
@@ -247,12 +257,17 @@ class Pipeline:
             )
         if turn is None:
             return
-        with guard("record"):
-            turn = await self.count_large(turn)
-        if not self.store.shared:
+        if any(n.tokens == -1 for n in turn.nodes):
+            with guard("record"):
+                turn = await self.count_large(turn)
+        store = self.store
+        if not store.shared:
             # A local store's write is in-memory bookkeeping that never waits: a failure is the record's.
             with guard("record"):
-                await self.store.write_turn(turn)
+                if isinstance(store, LocalStore):
+                    store.write_turn_now(turn)
+                else:
+                    await store.write_turn(turn)
                 self.count_after(turn)
             return
         with guard("store"):  # a shared store may be slow or gone
