@@ -106,10 +106,21 @@ class Break:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:  # binary search on slice equality: memcmp speed on long texts
+    """Length of the common prefix: galloping, then a binary search on slice equality (memcmp
+    speed), so the slices copied add up to about twice the answer, not log(n) times the text."""
+    n = min(len(a), len(b))
+    lo, step = 0, 64
+    while lo < n:  # a[:lo] == b[:lo]: extend by doubling steps
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            hi -= 1
+            break
+        lo, step = hi, step * 2
+    else:
+        return n
+    while lo < hi:  # the answer is in [lo, hi]
         mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
+        if a[lo:mid] == b[lo:mid]:
             lo = mid
         else:
             hi = mid - 1
@@ -117,11 +128,20 @@ def _common_prefix(a: str, b: str) -> int:
 
 
 def _common_suffix(a: str, b: str, limit: int) -> int:
-    lo, hi = 0, limit
+    """Length of the common suffix, at most ``limit``: :func:`_common_prefix` from the ends."""
     la, lb = len(a), len(b)
+    lo, step = 0, 64
+    while lo < limit:
+        hi = min(limit, lo + step)
+        if a[la - hi : la - lo] != b[lb - hi : lb - lo]:
+            hi -= 1
+            break
+        lo, step = hi, step * 2
+    else:
+        return limit
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if a[la - mid :] == b[lb - mid :]:
+        if a[la - mid : la - lo] == b[lb - mid : lb - lo]:
             lo = mid
         else:
             hi = mid - 1

@@ -6,6 +6,8 @@ import re
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.core.breaks import REASONS, Break, span_of
 from proxy.core.policy import Policy
@@ -342,3 +344,26 @@ def test_span_never_reveals_the_text() -> None:
     assert span is not None
     assert not any(c.isalnum() and c not in "adTZ" for c in span.shape)
     assert "sk" not in span.shape and "live" not in span.hint
+
+
+def _naive_prefix(a: str, b: str) -> int:
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    return i
+
+
+_texts = st.text(alphabet=st.sampled_from(["a", "b", "é", "\U0001f600", " "]), max_size=400)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shared=_texts, a=_texts, b=_texts, tail=_texts, cut=st.integers(0, 400))
+def test_common_prefix_and_suffix_are_exact(shared: str, a: str, b: str, tail: str, cut: int) -> None:
+    """The galloping searches give the exact lengths (of texts that share long runs, as a
+    re-sent system prompt does with its stored siblings)."""
+    from proxy.core.breaks import _common_prefix, _common_suffix
+
+    x, y = shared + a + tail, shared + b + tail
+    assert _common_prefix(x, y) == _naive_prefix(x, y)
+    limit = min(cut, len(x), len(y))
+    assert _common_suffix(x, y, limit) == min(limit, _naive_prefix(x[::-1], y[::-1]))
