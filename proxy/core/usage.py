@@ -140,22 +140,26 @@ def _openai_usage(usage: dict[str, Any]) -> Usage | None:
     completion = usage.get("completion_tokens")
     if type(prompt) is not int or prompt < 0 or type(completion) is not int or completion < 0:
         return None
-    cached = reasoning = None
-    details = usage.get("prompt_tokens_details")
-    if details is not None:
-        if type(details) is not dict or not _PROMPT_DETAIL_KEYS.issuperset(details):
-            return None
-        cached = details.get("cached_tokens")
-        if cached is not None and (type(cached) is not int or cached < 0):
-            return None
-    details = usage.get("completion_tokens_details")
-    if details is not None:
-        if type(details) is not dict or not _COMPLETION_DETAIL_KEYS.issuperset(details):
-            return None
-        reasoning = details.get("reasoning_tokens")
-        if reasoning is not None and (type(reasoning) is not int or reasoning < 0):
-            return None
+    plain, cached = _plain_detail(usage.get("prompt_tokens_details"), _PROMPT_DETAIL_KEYS, "cached_tokens")
+    if not plain:
+        return None
+    plain, reasoning = _plain_detail(usage.get("completion_tokens_details"), _COMPLETION_DETAIL_KEYS, "reasoning_tokens")
+    if not plain:
+        return None
     return Usage(prompt, completion, cached, None, reasoning, None, "openai")
+
+
+def _plain_detail(details: Any, keys: frozenset[str], name: str) -> tuple[bool, int | None]:
+    """``(plain, count)``: whether a ``*_tokens_details`` block is absent or holds only ``keys``
+    with ``name`` a plain count (or absent), and that count."""
+    if details is None:
+        return True, None
+    if type(details) is not dict or not keys.issuperset(details):
+        return False, None
+    count = details.get(name)
+    if count is not None and (type(count) is not int or count < 0):
+        return False, None
+    return True, count
 
 
 def _token_totals(
