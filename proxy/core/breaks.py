@@ -30,7 +30,7 @@ reported by *shape* only -- digits as ``d``, letters as ``a`` -- with a suggeste
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,13 +106,25 @@ class Break:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    """Length of the common prefix: galloping, then a binary search on slice equality (memcmp
-    speed), so the slices copied add up to about twice the answer, not log(n) times the text."""
     n = min(len(a), len(b))
+    return _common_run(n, lambda lo, hi: a[lo:hi] == b[lo:hi])
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    """Length of the common suffix, at most ``limit``."""
+    la, lb = len(a), len(b)
+    return _common_run(limit, lambda lo, hi: a[la - hi : la - lo] == b[lb - hi : lb - lo])
+
+
+def _common_run(n: int, same: Callable[[int, int], bool]) -> int:
+    """The largest ``k <= n`` with ``same(0, k)``, given ``same(lo, hi)`` compares the span
+    ``lo..hi`` of two texts (from their starts or their ends). Galloping, then a binary search
+    inside the last step, on slice equality (memcmp speed): the slices compared add up to
+    about twice the answer, not log(n) times the text."""
     lo, step = 0, 64
-    while lo < n:  # a[:lo] == b[:lo]: extend by doubling steps
+    while lo < n:  # same(0, lo): extend by doubling steps
         hi = min(n, lo + step)
-        if a[lo:hi] != b[lo:hi]:
+        if not same(lo, hi):
             hi -= 1
             break
         lo, step = hi, step * 2
@@ -120,28 +132,7 @@ def _common_prefix(a: str, b: str) -> int:
         return n
     while lo < hi:  # the answer is in [lo, hi]
         mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _common_suffix(a: str, b: str, limit: int) -> int:
-    """Length of the common suffix, at most ``limit``: :func:`_common_prefix` from the ends."""
-    la, lb = len(a), len(b)
-    lo, step = 0, 64
-    while lo < limit:
-        hi = min(limit, lo + step)
-        if a[la - hi : la - lo] != b[lb - hi : lb - lo]:
-            hi -= 1
-            break
-        lo, step = hi, step * 2
-    else:
-        return limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[la - mid : la - lo] == b[lb - mid : lb - lo]:
+        if same(lo, mid):
             lo = mid
         else:
             hi = mid - 1
