@@ -28,7 +28,7 @@ from ..core.model import NodeReader
 from ..core.plan import TurnPlan, plan_turn
 from ..core.policy import Policy
 from ..core.record import Reply, ReplyAssembler, reply_from_body
-from ..core.splice import Edit, Insert, splice
+from ..core.splice import Edit, Insert, _ws, splice
 from ..core.splice import Replace as SetValue
 from ..core.sse import SSEEvent
 from ..core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
@@ -77,11 +77,11 @@ class ChatWire:
             return Outgoing(base, False)
         edit: Edit
         if options is None and "stream_options" not in body:
-            first = insert_first_member(base, _USAGE_OPTION)
+            first = insert_first_member(base, _USAGE_MEMBER)
             if first is not None:
                 return Outgoing(first, True)
         if options is None:
-            edit = Insert((), "stream_options", b'{"include_usage":true}')
+            edit = Insert((), "stream_options", _INCLUDE_USAGE)
         elif isinstance(options, dict):
             edit = (
                 SetValue(("stream_options", "include_usage"), b"true")
@@ -177,8 +177,8 @@ class ChatObserver:
             self._traits.reports_timings = True
 
 
-_USAGE_OPTION = b'"stream_options":{"include_usage":true}'
-_SKIP_WS = re.compile(rb"[ \t\n\r]*")
+_INCLUDE_USAGE = b'{"include_usage":true}'
+_USAGE_MEMBER = b'"stream_options":' + _INCLUDE_USAGE
 
 
 def insert_first_member(raw: bytes, member: bytes) -> bytes | None:
@@ -193,20 +193,14 @@ def insert_first_member(raw: bytes, member: bytes) -> bytes | None:
     """
     if raw.count(b'"stream"') != 1 or b'"stream_options"' in raw or b"\\u" in raw:
         return None
-    start = _after_ws(raw, 0)
+    start = _ws(raw, 0)
     if start >= len(raw) or raw[start] != 0x7B:  # "{"
         return None
-    first = _after_ws(raw, start + 1)
+    first = _ws(raw, start + 1)
     if first >= len(raw) or raw[first] == 0x7D:  # "}": an empty object (no messages): the splice knows
         return None
     view = memoryview(raw)
     return b"".join((view[: start + 1], member, b",", view[start + 1 :]))
-
-
-def _after_ws(raw: bytes, pos: int) -> int:
-    m = _SKIP_WS.match(raw, pos)
-    assert m is not None  # matches the empty string
-    return m.end()
 
 
 _NULL_USAGE = re.compile(rb',[ \t]*"usage"[ \t]*:[ \t]*null(?=[ \t]*[,}])|"usage"[ \t]*:[ \t]*null[ \t]*,[ \t]*')
