@@ -518,13 +518,13 @@ class IdentityMemo:
     def get(self, data: bytes) -> tuple[bytes, int] | None:
         return self._entries.get(data)
 
-    def put(self, data: bytes, value: tuple[bytes, int], *, tight: bool = False) -> None:
-        """Remember ``data``'s identity and clean size; ``tight``: ``data`` holds only its bytes
-        (:func:`tight`), so it is kept itself rather than copied."""
+    def put(self, data: bytes, value: tuple[bytes, int], *, copied: bool = False) -> None:
+        """Remember ``data``'s identity and clean size; ``copied``: ``data`` is already a
+        :func:`tight` copy, kept itself."""
         cost = self._held(len(data)) + self.ENTRY_OVERHEAD
         if cost > self.max_bytes // 16 or data in self._entries:
             return
-        self._entries[data if tight else bytes(memoryview(data))] = value
+        self._entries[data if copied else tight(data)] = value
         self._size += cost
         if self._size > self.max_bytes:
             self._shrink()
@@ -581,7 +581,7 @@ def identify_messages(
             continue
         try:
             # A tight copy at once: the one the memo keeps and the caller gets, hashed once.
-            data: bytes | None = bytes(memoryview(dumps(msg)))
+            data: bytes | None = tight(dumps(msg))
         except TypeError:
             data = None
         hit = lookup(data) if data is not None else None
@@ -589,7 +589,7 @@ def identify_messages(
             one_id, one_size = _identify_messages((msg,), policy)
             hit = (one_id[0], one_size[0])
             if data is not None:
-                memo.put(data, hit, tight=True)
+                memo.put(data, hit, copied=True)
         ids.append(hit[0])
         sizes.append(hit[1])
         if keep is not None:
