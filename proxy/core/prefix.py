@@ -124,9 +124,9 @@ class _Body:
         self.match: Match | None = None
         """How this body was matched (the next body's :class:`~proxy.core.match.KnownPrefix`)."""
         self.clean = 0
+        """Its leading messages that needed no repair."""
         self.tools_clean = False
         """Its plan found its ``tools`` value needing no repair."""
-        """Its leading messages that needed no repair."""
         # The bytes, the parsed values and the match's serialized messages: about its size each.
         self.cost = 3 * len(raw) + IdentityMemo.HELD_OVERHEAD * (len(self.messages) + 1) + 512
         # The windows :meth:`continued` compares first, for the last message and the one before:
@@ -137,10 +137,8 @@ class _Body:
         """``raw`` has this body's first ``k`` messages, byte for byte. The bytes just before the
         k-th message's end are compared first (where two conversations differ): a body that
         differs is told in a few bytes, one that is the same in a ``memcmp``."""
-        end = self.ends[k - 1]
-        cut = max(0, end - _WINDOW)
-        view = self.view
-        return raw.startswith(view[cut:end], cut) and raw.startswith(view[:cut])
+        cut, window, _ = self._window(k)
+        return raw.startswith(window, cut) and raw.startswith(self.view[:cut])
 
     def _window(self, k: int) -> tuple[int, bytes, int]:
         end = self.ends[k - 1]
