@@ -118,6 +118,7 @@ from __future__ import annotations
 
 import asyncio
 from bisect import bisect_left
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -262,7 +263,7 @@ class _Series:
         self._table = table
         """name -> (metric, its label values for this series)."""
         self._kids: dict[str, Any] = {}
-        self.pending: dict[str, float] | None = None
+        self.pending: defaultdict[str, float] | None = None
         """Counter increments by name not added to the batch yet (None: none); see :meth:`fold`."""
 
     def __call__(self, name: str) -> Any:
@@ -501,29 +502,28 @@ class ProxyMetrics:
         if kids is None:
             kids = self._request_series[(label, status_class, stream)] = self._series_of(label, status_class, stream)
         batch = self._pending()
-        # The counters are summed per series in a plain dict, folded into the batch when it is
-        # applied; the histograms go to the batch's buckets at once (bounded, however many requests).
+        # The counters are summed per series (a defaultdict: a counter added 0 is exported too),
+        # folded into the batch when it is applied; the histograms go to the batch's buckets at
+        # once (bounded, however many requests).
         counts = kids.pending
         if counts is None:
-            counts = kids.pending = {}
+            counts = kids.pending = defaultdict(float)
             batch.series.append(kids)
-        get = counts.get
-        counts["requests"] = get("requests", 0.0) + 1
+        counts["requests"] += 1
         observe = batch.observe
         observe(kids("duration"), max(0.0, duration))
         if ttfb is not None:
             observe(kids("ttfb"), max(0.0, ttfb))
         if usage is None:
             if status_class == "2xx":
-                counts["usage_missing"] = get("usage_missing", 0.0) + 1
+                counts["usage_missing"] += 1
         else:
             self._observe_usage(batch, kids, counts, usage)
         if cost is not None:
             if cost.usd is None:
-                counts["unpriced"] = get("unpriced", 0.0) + 1
+                counts["unpriced"] += 1
             else:
-                name = "billed" if cost.billed else "estimated"
-                counts[name] = get(name, 0.0) + max(0.0, cost.usd)
+                counts["billed" if cost.billed else "estimated"] += max(0.0, cost.usd)
 
     def _series_of(self, label: str, status_class: str, stream: bool) -> _Series:
         streamed = "true" if stream else "false"
@@ -546,25 +546,24 @@ class ProxyMetrics:
             "hit_ratio": (self.cache_hit_ratio, one),
         })
 
-    def _observe_usage(self, batch: _Batch, kids: _Series, counts: dict[str, float], usage: Usage) -> None:
-        get = counts.get
+    def _observe_usage(self, batch: _Batch, kids: _Series, counts: defaultdict[str, float], usage: Usage) -> None:
         prompt = usage.prompt_tokens
         if prompt and prompt > 0:
-            counts["prompt"] = get("prompt", 0.0) + prompt
+            counts["prompt"] += prompt
         if usage.completion_tokens and usage.completion_tokens > 0:
-            counts["completion"] = get("completion", 0.0) + usage.completion_tokens
+            counts["completion"] += usage.completion_tokens
         if usage.reasoning_tokens and usage.reasoning_tokens > 0:
-            counts["reasoning"] = get("reasoning", 0.0) + usage.reasoning_tokens
+            counts["reasoning"] += usage.reasoning_tokens
         if usage.cache_write_tokens and usage.cache_write_tokens > 0:
-            counts["cache_write"] = get("cache_write", 0.0) + usage.cache_write_tokens
+            counts["cache_write"] += usage.cache_write_tokens
         cached = usage.cached_tokens
         if cached is None or prompt is None:
             # Without both numbers the response says nothing about the hit ratio.
-            counts["unknown_cache"] = get("unknown_cache", 0.0) + 1
+            counts["unknown_cache"] += 1
             return
         cached = min(max(cached, 0), max(prompt, 0))
-        counts["cached"] = get("cached", 0.0) + cached
-        counts["cache_known"] = get("cache_known", 0.0) + prompt
+        counts["cached"] += cached
+        counts["cache_known"] += prompt
         if prompt > 0:
             batch.observe(kids("hit_ratio"), cached / prompt)
 
