@@ -65,9 +65,6 @@ FILL_ROUNDS = 3
 """Most round trips to a shared store while planning one request."""
 
 WIRES: tuple[Wire, ...] = (ChatWire(), ResponsesWire())
-RESENT_WIRES = frozenset(("chat",))
-"""Wire APIs whose plan identifies the body's own ``messages``: their bodies are remembered for
-the next turn (:mod:`proxy.core.prefix`). The Responses front-end plans a view of its items."""
 Scope = tuple[bytes, str, str]
 """(tenant root, method, path): where a remembered body may be continued."""
 
@@ -188,9 +185,9 @@ class Pipeline:
         guard: FailOpen,
     ) -> None:
         """Keep the body, where its messages are and what they are, for the tenant's next turn."""
-        if plan is not None and plan.match is not None and wire.name in RESENT_WIRES:
+        if plan is not None and plan.match is not None and wire.resends is not None:
             with guard("identify"):
-                self.resent.remember(scope, raw, body, plan.match, recalled, tag=wire, clean=plan.clean, tools_clean=plan.tools_clean)
+                self.resent.remember_plan(scope, raw, body, plan, recalled, tag=wire, array=wire.resends)
 
     def plan(
         self, wire: Wire, raw: bytes, body: dict[str, Any], root: bytes, guard: FailOpen, recalled: Recalled | None
@@ -200,8 +197,7 @@ class Pipeline:
         view = self.store.view(root)
         # A local store keeps a node's parents while it keeps the node: the match of a re-sent
         # conversation's shared messages holds as long as its deepest node is stored.
-        known = recalled.known if recalled is not None and not self.store.shared else None
-        return wire.plan(raw, body, root, view, self.policy, self.memo, guard, known), view
+        return wire.plan(raw, body, root, view, self.policy, self.memo, guard, None if self.store.shared else recalled), view
 
     async def fill(
         self, wire: Wire, raw: bytes, body: dict[str, Any], root: bytes, guard: FailOpen, plan: TurnPlan, view: StoreView

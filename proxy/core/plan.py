@@ -14,9 +14,9 @@ upstream unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from .breaks import Break, diagnose
 from .guard import STRICT, Guard
@@ -31,7 +31,26 @@ from .splice import Refusal, try_splice
 from .usage import Usage
 from .values import value
 
-__all__ = ["TurnPlan", "plan_turn", "turn_write"]
+__all__ = ["PlannedView", "TurnPlan", "plan_turn", "turn_write"]
+
+
+class PlannedView(Protocol):
+    """A wire API's view of the client's re-sent array (see :attr:`TurnPlan.view`)."""
+
+    @property
+    def messages(self) -> list[Any]:
+        """The view's messages, in order: what the match was planned on."""
+        ...
+
+    @property
+    def spans(self) -> Sequence[tuple[int, ...]]:
+        """Per message, the indices of the array elements it was made of."""
+        ...
+
+    @property
+    def reused(self) -> int:
+        """Leading messages that are the very objects of the previous turn's view."""
+        ...
 
 
 @value
@@ -61,6 +80,10 @@ class TurnPlan:
     (0 when repair is off or failed): the next turn need not compare them again."""
     tools_clean: bool = False
     """Repair compared the ``tools`` value with its stored bytes and left it as it is."""
+    view: PlannedView | None = None
+    """The messages planned on, when the wire API planned a view of the client's re-sent array
+    rather than its elements (the Responses API's items as chat-shaped messages); None: the
+    body's own ``messages``. Remembered with the body for the next turn (:mod:`proxy.core.prefix`)."""
 
     @property
     def matched_messages(self) -> int:

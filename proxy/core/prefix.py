@@ -3,9 +3,9 @@
 An agent re-sends its whole conversation every turn: the bytes it sent the turn before, then
 a few new messages (or the same conversation with its last turn changed). :class:`PrefixMemo`
 keeps, per scope (the caller's: tenant root, method and path), the last few bodies with a
-top-level ``messages`` array: their bytes, where each message ends in them, and their parsed
-values. A new body whose bytes begin with one of them up to the end of its message ``k - 1``
-holds the same messages ``0 .. k-1`` -- the same bytes at the same place of the same JSON
+top-level array the client re-sends (chat's ``messages``, the Responses API's ``input``; called
+"the messages" below): their bytes, where each message ends in them, and their parsed values.
+A new body whose bytes begin with one of them up to the end of its message ``k - 1`` holds the same messages ``0 .. k-1`` -- the same bytes at the same place of the same JSON
 document -- so they are taken as parsed before, and only the new messages are parsed, provided
 the bytes after the array are, byte for byte, those that followed it before (then the whole
 body is that one with other messages at its end). Anything else is a miss: the caller parses
@@ -14,7 +14,10 @@ the whole body, then remembers it.
 The messages (and the ``tools`` value) of a remembered body are held by the identity memo
 (:meth:`~proxy.core.identity.IdentityMemo.hold`) with their identities and chain steps, so
 identifying and matching a re-sent body costs a lookup per shared message, and the full work
-only for its new ones.
+only for its new ones. A wire API that plans a *view* of the array (the Responses API's items
+mapped onto chat-shaped messages) remembers that view with it: the view messages are what is
+held, and ``spans`` says which array elements each was made of, so the next turn's view can
+take over the ones its shared elements make.
 
 Where the messages are in the bytes: each message's ``orjson.dumps`` is looked for at its
 place (what clients that serialize compactly send: the OpenAI SDKs, ``JSON.stringify``); where
@@ -30,7 +33,7 @@ import itertools
 import re
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -39,12 +42,16 @@ from .match import KnownPrefix, Match, in_order
 from .splice import _Refused, _skip_value
 from .values import value
 
+if TYPE_CHECKING:
+    from .plan import TurnPlan
+
 __all__ = ["PrefixMemo", "Recalled"]
 
 _WS = re.compile(rb"[ \t\n\r]*+")
 _NEXT = re.compile(rb"[ \t\n\r]*+(?:(,)[ \t\n\r]*+|(\]))")
 _COMMA = re.compile(rb"[ \t\n\r]*+,[ \t\n\r]*+")
-_MESSAGES_KEY = re.compile(rb'"messages"[ \t\n\r]*+:[ \t\n\r]*+\[')
+MESSAGES = "messages"
+"""The array a chat client re-sends."""
 _CLOSE = ord("]")
 _TRIES = 4
 """Places tried for the array when a body is first remembered."""
@@ -72,12 +79,18 @@ class Recalled:
 
     @property
     def known(self) -> KnownPrefix | None:
-        """How the shared messages were matched the turn before (None: not known)."""
+        """How the shared messages were matched the turn before (None: not known, or the body
+        was planned on a view: see :meth:`known_view`)."""
+        return self.known_view(self.shared) if self.source.spans is None else None
+
+    def known_view(self, messages: int) -> KnownPrefix | None:
+        """How the first ``messages`` messages planned the turn before were matched: the caller's
+        view of this body must begin with those very objects (``source.messages``)."""
         source = self.source
         if source.match is None:
             return None
         return KnownPrefix(
-            self.shared, source.match, source.clean, source.top.get("tools"), source.messages, source.tools_clean
+            messages, source.match, source.clean, source.top.get("tools"), source.messages, source.tools_clean
         )
 
 
@@ -85,15 +98,28 @@ class _Body:
     """One remembered body."""
 
     __slots__ = (
-        "before", "clean", "close", "cost", "ends", "first_key", "last", "match", "messages", "raw", "start", "tag",
-        "tools", "tools_clean", "top", "view",
+        "array", "before", "clean", "close", "cost", "elements", "ends", "first_key", "last", "match", "messages",
+        "raw", "spans", "start", "tag", "tools", "tools_clean", "top", "view",
     )
 
     def __init__(
-        self, raw: bytes, start: int, ends: list[int], close: int, top: dict[str, Any], tag: Any, source: _Body | None = None
+        self,
+        raw: bytes,
+        start: int,
+        ends: list[int],
+        close: int,
+        top: dict[str, Any],
+        tag: Any,
+        source: _Body | None = None,
+        *,
+        array: str = MESSAGES,
+        planned: list[Any] | None = None,
+        spans: Sequence[tuple[int, ...]] | None = None,
     ) -> None:
         self.raw = raw
         self.view = memoryview(raw)
+        self.array = array
+        """The top-level key of the re-sent array."""
         self.start = start
         """Offset just after the ``[`` that opens the array."""
         self.ends = ends
@@ -110,12 +136,17 @@ class _Body:
         else:
             head = raw[:start]
             self.before = (
-                list(itertools.takewhile(lambda item: item[0] != "messages", top.items()))
-                if head.count(b'"messages"') == 1 and b"\\u" not in head
+                list(itertools.takewhile(lambda item: item[0] != array, top.items()))
+                if head.count(_quoted(array)) == 1 and b"\\u" not in head
                 else None
             )
-        self.messages: list[Any] = top["messages"]
-        """Held in the identity memo, as long as this body is kept."""
+        self.elements: list[Any] = top[array]
+        """The array's parsed elements."""
+        self.messages: list[Any] = self.elements if planned is None else planned
+        """The messages its match was planned on (the elements, or the caller's view of them):
+        held in the identity memo, as long as this body is kept."""
+        self.spans = spans
+        """Per planned message, the elements it was made of (None: one each, the elements themselves)."""
         self.tools: Any = None
         """The ``tools`` value, when held in the identity memo."""
         self.first_key = b""
@@ -192,23 +223,24 @@ class _Body:
             if located is None or self.before is None:
                 return None
             ends, close = located
+            array = self.array
             rest_bytes = view[close:]
-            if not _names_no_messages(rest_bytes):
+            if not _names_no_key(rest_bytes, array):
                 return None
             try:
                 tail = orjson.loads(b"".join((b"[0", view[cut:close], b"]")))
-                rest = orjson.loads(b"".join((b'{"messages":[', rest_bytes)))
+                rest = orjson.loads(b"".join((b"{", _quoted(array), b":[", rest_bytes)))
             except orjson.JSONDecodeError:
                 return None
             if type(rest) is not dict:
                 return None
             body = dict(self.before)
-            del rest["messages"]
-            body["messages"] = None
+            del rest[array]
+            body[array] = None
             body.update(rest)
-        messages = self.messages[:k]
-        messages.extend(tail[1:])
-        body["messages"] = messages
+        elements = self.elements[:k]
+        elements.extend(tail[1:])
+        body[self.array] = elements
         return Recalled(body, k, self.tag, self, cut, close, ends)
 
 
@@ -268,44 +300,61 @@ class PrefixMemo:
         tag: Any = None,
         clean: int = 0,
         tools_clean: bool = False,
+        *,
+        array: str = MESSAGES,
+        planned: list[Any] | None = None,
+        spans: Sequence[tuple[int, ...]] | None = None,
+        kept: int | None = None,
     ) -> bool:
         """Keep ``body`` (parsed from ``raw``, planned into ``match`` with this memo's identity
         memo) for the next bodies of ``scope``. ``recalled``: how it was rebuilt, if it was;
         ``clean``: its leading messages the plan found needing no repair (``tools_clean``: its
-        ``tools`` value). False when it cannot be kept (not located, too large, no messages)."""
-        messages = body.get("messages")
+        ``tools`` value). False when it cannot be kept (not located, too large, no messages).
+
+        ``array``: the re-sent array's key. ``planned``: the messages the match was planned on,
+        when they are a view of the array's elements, not the elements (``spans``: the elements
+        each was made of); ``kept``: of them, the leading ones that are the very objects of the
+        body ``recalled`` was rebuilt from (default: its shared elements)."""
+        elements = body.get(array)
+        messages = elements if planned is None else planned
         if (
-            type(messages) is not list
+            type(elements) is not list
+            or not elements
             or not messages
             or len(match.message_ids) != len(messages)
             or 2 * len(raw) > self.max_bytes // 16
         ):
             return False
+        # The serialized messages locate the elements only when they are the elements.
+        dumped = match.message_dumped if planned is None else ()
         bodies = self._scopes.get(scope)
-        if recalled is not None and recalled.body is body:
+        if recalled is not None and recalled.body is body and recalled.source.array == array:
             source = recalled.source
             k = recalled.shared
             if recalled.ends is not None:
                 located: tuple[list[int], int] | None = (recalled.ends, recalled.close)
             else:
-                located = _locate(raw, recalled.cut, messages, k, match.message_dumped, first=False)
-            if located is None or located[1] != recalled.close or len(located[0]) != len(messages) - k:
+                located = _locate(raw, recalled.cut, elements, k, dumped, first=False)
+            if located is None or located[1] != recalled.close or len(located[0]) != len(elements) - k:
                 return False
-            entry = _Body(raw, source.start, source.ends[:k] + located[0], recalled.close, recalled.body, recalled.tag, source)
+            entry = _Body(
+                raw, source.start, source.ends[:k] + located[0], recalled.close, recalled.body, recalled.tag, source,
+                array=array, planned=planned, spans=spans,
+            )
             replaced = _replaced(bodies, source, entry, k) if bodies is not None else None
             if bodies is not None and replaced is not None:
                 # The session went on (or changed its last turn): this body takes the place of the
                 # one it continues, and the messages they share stay held as they are.
                 bodies.remove(replaced)
                 self._size -= replaced.cost
-                self._hold(entry, match, k, replaced)
+                self._hold(entry, match, k if kept is None else kept, replaced)
             else:
                 self._hold(entry, match, 0, None)
         else:
-            found = _layout(raw, messages, match.message_dumped)
+            found = _layout(raw, elements, dumped, array)
             if found is None:
                 return False
-            entry = _Body(raw, found[0], found[1], found[2], dict(body), tag)
+            entry = _Body(raw, found[0], found[1], found[2], dict(body), tag, array=array, planned=planned, spans=spans)
             self._hold(entry, match, 0, None)
         if bodies is None:
             bodies = self._scopes[scope] = []
@@ -325,6 +374,25 @@ class PrefixMemo:
                 self._drop(old)
         return True
 
+    def remember_plan(
+        self, scope: Hashable, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, recalled: Recalled | None, *,
+        tag: Any = None, array: str = MESSAGES,
+    ) -> bool:
+        """:meth:`remember` a planned body: its match, what its plan found clean, and the view it
+        was planned on when there is one (:attr:`~proxy.core.plan.TurnPlan.view`)."""
+        match = plan.match
+        if match is None:
+            return False
+        view = plan.view
+        if view is None:
+            return self.remember(
+                scope, raw, body, match, recalled, tag, plan.clean, plan.tools_clean, array=array,
+            )
+        return self.remember(
+            scope, raw, body, match, recalled, tag, plan.clean, plan.tools_clean, array=array,
+            planned=view.messages, spans=view.spans, kept=view.reused,
+        )
+
     def _hold(self, entry: _Body, match: Match, kept: int, source: _Body | None) -> None:
         """Hold ``entry``'s messages (and tools value) with their identities and chain steps. With
         ``source``, its first ``kept`` messages (and its tools value, when the same object) are
@@ -332,6 +400,10 @@ class PrefixMemo:
         memo = self.memo
         messages = entry.messages
         sizes, dumped, ids = match.message_sizes, match.message_dumped, match.message_ids
+        if kept and (kept > len(source.messages) if source is not None else True):
+            kept = 0
+        if kept and source is not None and messages[kept - 1] is not source.messages[kept - 1]:
+            kept = 0  # not the objects passed over (a view made anew): hold them all again
         if source is not None:
             for msg in source.messages[kept:]:
                 memo.release(msg)
@@ -378,9 +450,9 @@ def _replaced(bodies: list[_Body], source: _Body, entry: _Body, k: int) -> _Body
     one more. None: ``entry`` is kept beside the others."""
     if k >= len(source.ends) - 1 and source in bodies:
         return source
-    mark = entry.messages[k - 1]
+    mark = entry.elements[k - 1]
     for body in bodies[:PrefixMemo.SEARCHED]:
-        if k <= len(body.messages) <= k + 1 and body.messages[k - 1] is mark and body.first_key == source.first_key:
+        if k <= len(body.elements) <= k + 1 and body.elements[k - 1] is mark and body.first_key == source.first_key:
             return body
     return None
 
@@ -402,11 +474,26 @@ def _delimit(raw: bytes, pos: int) -> tuple[list[int], int] | None:
         return None
 
 
-def _names_no_messages(rest: memoryview) -> bool:
-    """The bytes after the array cannot hold another ``messages`` key: not even the word (nor a
+def _quoted(key: str) -> bytes:
+    return b'"' + key.encode() + b'"'
+
+
+def _names_no_key(rest: memoryview, key: str) -> bool:
+    """The bytes after the array cannot hold another ``key`` member: not even the word (nor a
     ``\\u`` escape that could spell it)."""
     data = bytes(rest)
-    return b'"messages"' not in data and b"\\u" not in data
+    return _quoted(key) not in data and b"\\u" not in data
+
+
+_KEYS: dict[str, re.Pattern[bytes]] = {}
+
+
+def _array_key(key: str) -> re.Pattern[bytes]:
+    """``"key" : [``, with any whitespace."""
+    pattern = _KEYS.get(key)
+    if pattern is None:
+        pattern = _KEYS[key] = re.compile(re.escape(_quoted(key)) + rb"[ \t\n\r]*+:[ \t\n\r]*+\[")
+    return pattern
 
 
 def _element_end(raw: bytes, pos: int, dumped: bytes | None, element: Any) -> int | None:
@@ -449,9 +536,9 @@ def _locate(
 
 
 def _layout(
-    raw: bytes, messages: Sequence[Any], dumped: Sequence[bytes | None]
+    raw: bytes, messages: Sequence[Any], dumped: Sequence[bytes | None], array: str = MESSAGES
 ) -> tuple[int, list[int], int] | None:
-    """Where the top-level ``messages`` array's elements start (just after its ``[``), where each
+    """Where the top-level ``array``'s elements start (just after its ``[``), where each
     ends and where it closes; None when that is not certain."""
     first = dumped[0] if dumped and dumped[0] is not None else None
     candidates: list[int] = []
@@ -466,24 +553,24 @@ def _layout(
                 candidates.append(p)
             at = raw.find(first, at + 1)
     if not candidates:
-        candidates = [m.end() for _, m in zip(range(_TRIES), _MESSAGES_KEY.finditer(raw), strict=False)]
+        candidates = [m.end() for _, m in zip(range(_TRIES), _array_key(array).finditer(raw), strict=False)]
     for start in candidates:
         located = _locate(raw, start, messages, 0, dumped, first=True)
-        if located is not None and _is_top_level_messages(raw, start, located[1]):
+        if located is not None and _is_top_level(raw, start, located[1], array):
             return start, located[0], located[1]
     return None
 
 
-def _is_top_level_messages(raw: bytes, start: int, close: int) -> bool:
+def _is_top_level(raw: bytes, start: int, close: int, array: str) -> bool:
     """The array from ``start`` (after its ``[``) to ``close`` is the value of the top-level key
-    ``messages``, and the last such key: the bytes before it close as an object whose last key is
-    ``messages``, and the bytes after it hold no other ``messages`` member."""
+    ``array``, and the last such key: the bytes before it close as an object whose last key is
+    ``array``, and the bytes after it hold no other ``array`` member."""
     view = memoryview(raw)
     try:
         before = orjson.loads(b"".join((view[:start], b"]}")))
-        after = orjson.loads(b"".join((b'{"messages":[', view[close:])))
+        after = orjson.loads(b"".join((b"{", _quoted(array), b":[", view[close:])))
     except orjson.JSONDecodeError:
         return False
     if type(before) is not dict or type(after) is not dict or not before:
         return False
-    return next(reversed(before)) == "messages" and before["messages"] == [] and _names_no_messages(view[close:])
+    return next(reversed(before)) == array and before[array] == [] and _names_no_key(view[close:], array)

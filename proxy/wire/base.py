@@ -24,10 +24,10 @@ import orjson
 
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
-from ..core.match import KnownPrefix
 from ..core.model import NodeReader
 from ..core.plan import TurnPlan
 from ..core.policy import Policy
+from ..core.prefix import Recalled
 from ..core.record import Reply
 from ..core.sse import SSEEvent
 from ..core.usage import Usage
@@ -116,6 +116,9 @@ class Wire(Protocol):
 
     name: str
     """``chat``, ``responses``: the log line's first word."""
+    resends: str | None
+    """The top-level array a client re-sends every turn (its bodies are remembered for the next
+    turn, :mod:`proxy.core.prefix`); None: none."""
 
     def parse(self, method: str, path: str, raw: bytes) -> dict[str, Any] | None:
         """The parsed body when this is a request of this API kvwarm understands; else None."""
@@ -130,8 +133,11 @@ class Wire(Protocol):
         policy: Policy,
         memo: IdentityMemo | None,
         guard: Guard,
-        known: KnownPrefix | None = None,
-    ) -> TurnPlan: ...
+        recalled: Recalled | None = None,
+    ) -> TurnPlan:
+        """Plan a request; ``recalled``: how its body was rebuilt from the tenant's previous one
+        (given only where the store keeps a node's parents while it keeps the node)."""
+        ...
 
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing: ...
 

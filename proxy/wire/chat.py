@@ -23,10 +23,10 @@ import orjson
 
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
-from ..core.match import KnownPrefix
 from ..core.model import NodeReader
 from ..core.plan import TurnPlan, plan_turn
 from ..core.policy import Policy
+from ..core.prefix import Recalled
 from ..core.record import Reply, ReplyAssembler, reply_from_body
 from ..core.splice import Edit, Insert, _ws, splice
 from ..core.splice import Replace as SetValue
@@ -45,6 +45,8 @@ class ChatWire:
     """The Chat Completions API."""
 
     name = "chat"
+    resends: str | None = "messages"
+    """The array a client re-sends every turn (:mod:`proxy.core.prefix`)."""
 
     def parse(self, method: str, path: str, raw: bytes) -> dict[str, Any] | None:
         """The request body when this is a chat turn kvwarm understands; else None (forwarded untouched)."""
@@ -60,9 +62,11 @@ class ChatWire:
         policy: Policy,
         memo: IdentityMemo | None,
         guard: Guard,
-        known: KnownPrefix | None = None,
+        recalled: Recalled | None = None,
     ) -> TurnPlan:
-        return plan_turn(body, root, reader, policy, memo, guard, raw, known)
+        """``recalled``: how the body was rebuilt from the tenant's previous one (its match is
+        taken over where it still holds)."""
+        return plan_turn(body, root, reader, policy, memo, guard, raw, recalled.known if recalled is not None else None)
 
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing:
         """The client's bytes, with the repair spliced in and, for a stream that did not ask for

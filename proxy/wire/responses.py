@@ -36,6 +36,12 @@ Positions in ``x-kvwarm-prefix`` / ``x-kvwarm-break`` count these elements: the
 instructions first, then one per input item, a reasoning item counted with the item it
 precedes.
 
+A conversation re-sent byte for byte (the Codex CLI sends its whole history every turn, with
+``store: false``) is parsed only past what it shares with the tenant's previous body
+(:mod:`proxy.core.prefix`, on the ``input`` array), and its view takes over the previous view's
+messages made of shared items: identifying and matching them is a lookup each, so a no-drift
+turn costs in proportion to its new items.
+
 Requests with ``previous_response_id`` keep their prefix at the provider (and requests
 without ``input`` have none): they are forwarded unchanged and only their usage is read.
 
@@ -47,6 +53,7 @@ custom-tool input its deltas carried so far.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -55,10 +62,10 @@ import orjson
 
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
-from ..core.match import KnownPrefix
 from ..core.model import NodeReader
 from ..core.plan import TurnPlan, plan_turn
 from ..core.policy import Policy
+from ..core.prefix import Recalled
 from ..core.record import Reply
 from ..core.repair import NO_REPAIR
 from ..core.splice import Edit, Refusal, Reorder, Replace, try_splice
@@ -92,6 +99,9 @@ class ItemsView:
     spans: list[tuple[int, ...]]
     """Per view message: the input item indices it holds (reasoning items first, then the item);
     ``(INSTRUCTIONS,)`` for the instructions."""
+    reused: int = 0
+    """Leading messages taken over from the view of the body this one was rebuilt from (the very
+    objects: :func:`continued_view`)."""
 
 
 def items_view(instructions: Any, items: Sequence[Any]) -> ItemsView:
@@ -104,8 +114,15 @@ def items_view(instructions: Any, items: Sequence[Any]) -> ItemsView:
         # Instructions as a list of items: compared whole, never rewritten.
         messages.append({"role": "system", "content": _opaque(instructions)})
         spans.append((INSTRUCTIONS,))
+    _view_items(items, 0, messages, spans)
+    return ItemsView(messages, spans)
+
+
+def _view_items(items: Sequence[Any], start: int, messages: list[dict[str, Any]], spans: list[tuple[int, ...]]) -> None:
+    """Append the view messages of ``items[start:]`` (a reasoning item rides along the item after it)."""
     pending: list[int] = []
-    for k, item in enumerate(items):
+    for k in range(start, len(items)):
+        item = items[k]
         if _kind(item) == "reasoning":
             pending.append(k)
             continue
@@ -118,7 +135,46 @@ def items_view(instructions: Any, items: Sequence[Any]) -> ItemsView:
     if pending:
         messages.append({"role": "assistant", "content": None, "encrypted_content": _opaque_reasoning([items[r] for r in pending])})
         spans.append(tuple(pending))
-    return ItemsView(messages, spans)
+
+
+def continued_view(body: Mapping[str, Any], items: list[Any], recalled: Recalled) -> ItemsView | None:
+    """The view of a body rebuilt from a remembered one (``recalled``): the remembered view's
+    messages made of shared items only are taken over (the very objects, so the identity memo
+    knows them), the others made anew. None: make it whole (nothing to take over, or the
+    remembered body was no Responses body).
+
+    A view message is taken over when every item it holds is shared (``items[:shared]`` are the
+    remembered body's own objects). A trailing run of reasoning items is not: in the new body it
+    rides along the item that now follows it. The instructions' message is taken over when they
+    are equal; when they changed (they may come after the items in the bytes, as the OpenAI SDK
+    sends them), it is made anew and the items' messages are still taken over, though not as a
+    leading run (``reused`` is then 0: the match starts over, with every shared item known).
+    """
+    source = recalled.source
+    spans, old = source.spans, source.messages
+    if spans is None or len(spans) != len(old):
+        return None
+    # Spans hold increasing item indices: the view messages made of shared items are a prefix.
+    j = bisect.bisect_left(spans, recalled.shared, key=_last)
+    if j == len(spans) and j and _kind(source.elements[spans[-1][-1]]) == "reasoning":
+        j -= 1  # the trailing reasoning run: it rides along what follows it now
+    instructions = body.get("instructions")
+    if instructions == source.top.get("instructions"):
+        if j == 0:
+            return None
+        messages, kept, reused = old[:j], list(spans[:j]), j
+    else:
+        first = 1 if spans and spans[0] == (INSTRUCTIONS,) else 0
+        if j <= first:
+            return None
+        head = items_view(instructions, ())
+        messages, kept, reused = head.messages + old[first:j], head.spans + list(spans[first:j]), 0
+    _view_items(items, kept[-1][-1] + 1, messages, kept)
+    return ItemsView(messages, kept, reused)
+
+
+def _last(span: tuple[int, ...]) -> int:
+    return span[-1]
 
 
 def item_view(item: Any) -> dict[str, Any]:
@@ -186,11 +242,15 @@ def _dumps(value: Any) -> str:
         return repr(value)
 
 
-def _chat_body(body: Mapping[str, Any]) -> tuple[dict[str, Any], ItemsView]:
+def _chat_body(body: Mapping[str, Any], recalled: Recalled | None = None) -> tuple[dict[str, Any], ItemsView]:
     items = body.get("input")
+    view = None
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
-    view = items_view(body.get("instructions"), items if type(items) is list else [])
+    elif recalled is not None and type(items) is list:
+        view = continued_view(body, items, recalled)
+    if view is None:
+        view = items_view(body.get("instructions"), items if type(items) is list else [])
     chat: dict[str, Any] = {"messages": view.messages}
     if "tools" in body:
         chat["tools"] = body["tools"]
@@ -201,6 +261,8 @@ class ResponsesWire:
     """The Responses API."""
 
     name = "responses"
+    resends: str | None = "input"
+    """The array a client re-sends every turn (:mod:`proxy.core.prefix`)."""
 
     def parse(self, method: str, path: str, raw: bytes) -> dict[str, Any] | None:
         body = json_post(method, path, PATH_SUFFIX, raw)
@@ -220,18 +282,22 @@ class ResponsesWire:
         policy: Policy,
         memo: IdentityMemo | None,
         guard: Guard,
-        known: KnownPrefix | None = None,
+        recalled: Recalled | None = None,
     ) -> TurnPlan:
-        chat, view = _chat_body(body)
+        """``recalled``: how the body was rebuilt from the tenant's previous one (its view and match
+        are taken over where they still hold)."""
         if body.get("previous_response_id") or body.get("input") is None:
             # The prefix lives at the provider (or there is no input to speak of): nothing to
             # match, nothing to repair; the response is still observed for its usage.
+            chat, view = _chat_body(body)
             return TurnPlan(root, None, NO_REPAIR, None, chat, len(chat["messages"]))
+        chat, view = _chat_body(body, recalled)
+        known = recalled.known_view(view.reused) if recalled is not None and view.reused else None
         # Planned on the view (its bytes are not the client's); the repair is then mapped onto
         # the client's items and spliced into the client's bytes.
-        plan = plan_turn(chat, root, reader, policy, memo, guard)
+        plan = plan_turn(chat, root, reader, policy, memo, guard, known=known)
         if not plan.repair.repairs:
-            return plan
+            return replace(plan, view=view)
         spliced: bytes | Refusal = Refusal("invalid_edit", ())
         with guard("repair"):
             edits = item_edits(body, view, plan.repair.edits)
@@ -240,8 +306,8 @@ class ResponsesWire:
         if isinstance(spliced, Refusal):
             # Forwarded as sent, and recorded as sent.
             unrepaired = plan_turn(chat, root, reader, replace(policy, repair=False), memo, guard)
-            return replace(unrepaired, refused=spliced.reason)
-        return replace(plan, spliced=spliced)
+            return replace(unrepaired, refused=spliced.reason, view=view)
+        return replace(plan, spliced=spliced, view=view)
 
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing:
         """The client's bytes, with the repair spliced in: every other byte as the client sent it."""

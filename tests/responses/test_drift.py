@@ -17,6 +17,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
+from proxy.appkeys import PIPELINE
 from proxy.sim.items import assistant_message
 from proxy.sim.render import encode_segments, reply_segments
 from tests.conftest import ProxyFactory, metric, received
@@ -213,3 +214,45 @@ async def test_instructions_and_a_string_input_are_restored(make_sim: Any, make_
     assert response["_headers"]["x-kvwarm-prefix"].startswith("matched=2/2; repaired=2; ")
     assert received(sim)[-1].body == received(sim)[0].body  # both strings restored in place
     assert response["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_a_resent_conversation_is_planned_from_the_previous_turn(make_sim: Any, make_proxy: ProxyFactory) -> None:
+    """In the server, each re-sent body is rebuilt from the tenant's previous one (only its new items
+    parsed), its view takes the previous view's messages over, and from the third request on the
+    match starts where the previous one ended: with a reasoning client, parallel calls and the
+    reference upstream's stream, as the Codex CLI talks."""
+    sim = await make_sim()
+    kvwarm = await make_proxy(sim)
+    pipeline = kvwarm.app[PIPELINE]
+    recalls: list[Any] = []
+    plans: list[Any] = []
+    recall, plan = pipeline.resent.recall, pipeline.plan
+
+    def recalling(scope: Any, raw: bytes) -> Any:
+        recalls.append(recall(scope, raw))
+        return recalls[-1]
+
+    def planning(*args: Any) -> Any:
+        plans.append(plan(*args))
+        return plans[-1]
+
+    pipeline.resent.recall = recalling  # type: ignore[method-assign]
+    pipeline.plan = planning  # type: ignore[method-assign]
+    agent = ResponsesAgent(poster(kvwarm), drift=no_drift, parallel=True, reasoning=True)
+    await agent.run(6)
+    assert recalls[0] is None and all(r is not None for r in recalls[1:])
+    views = [p.view for p, _ in plans]
+    assert all(v is not None for v in views)
+    assert views[0].reused == 0 and all(v.reused > 0 for v in views[1:])
+    assert all(p.match.clean > 0 for p, _ in plans[2:])
+    assert [r.body for r in received(sim)] == [orjson.dumps(t.request) for t in agent.turns]
+
+    # The same conversation through a kvwarm that parses and plans every body whole: the same answers.
+    whole_sim = await make_sim()
+    whole = await make_proxy(whole_sim)
+    whole.app[PIPELINE].resent.recall = lambda scope, raw: None  # type: ignore[method-assign]
+    reference = ResponsesAgent(poster(whole), drift=no_drift, parallel=True, reasoning=True)
+    await reference.run(6)
+    assert [len(t.request["input"]) for t in agent.turns] == [len(t.request["input"]) for t in reference.turns]
+    assert [t.prefix() for t in agent.turns] == [t.prefix() for t in reference.turns]
+    assert all(t.prefix()["repaired"] == "0" and "break" not in t.prefix() for t in agent.turns)
