@@ -5,8 +5,9 @@ a few new messages (or the same conversation with its last turn changed). :class
 keeps, per scope (the caller's: tenant root, method and path), the last few bodies with a
 top-level array the client re-sends (chat's ``messages``, the Responses API's ``input``; called
 "the messages" below): their bytes, where each message ends in them, and their parsed values.
-A new body whose bytes begin with one of them up to the end of its message ``k - 1`` holds the same messages ``0 .. k-1`` -- the same bytes at the same place of the same JSON
-document -- so they are taken as parsed before, and only the new messages are parsed, provided
+A new body whose bytes begin with one of them up to the end of its message ``k - 1`` holds the
+same messages ``0 .. k-1`` -- the same bytes at the same place of the same JSON document -- so
+they are taken as parsed before, and only the new messages are parsed, provided
 the bytes after the array are, byte for byte, those that followed it before (then the whole
 body is that one with other messages at its end). Anything else is a miss: the caller parses
 the whole body, then remembers it.
@@ -43,7 +44,7 @@ from .splice import _Refused, _skip_value
 from .values import value
 
 if TYPE_CHECKING:
-    from .plan import TurnPlan
+    from .plan import PlannedView, TurnPlan
 
 __all__ = ["PrefixMemo", "Recalled"]
 
@@ -113,8 +114,7 @@ class _Body:
         source: _Body | None = None,
         *,
         array: str = MESSAGES,
-        planned: list[Any] | None = None,
-        spans: Sequence[tuple[int, ...]] | None = None,
+        planned: PlannedView | None = None,
     ) -> None:
         self.raw = raw
         self.view = memoryview(raw)
@@ -142,10 +142,10 @@ class _Body:
             )
         self.elements: list[Any] = top[array]
         """The array's parsed elements."""
-        self.messages: list[Any] = self.elements if planned is None else planned
+        self.messages: list[Any] = self.elements if planned is None else planned.messages
         """The messages its match was planned on (the elements, or the caller's view of them):
         held in the identity memo, as long as this body is kept."""
-        self.spans = spans
+        self.spans = None if planned is None else planned.spans
         """Per planned message, the elements it was made of (None: one each, the elements themselves)."""
         self.tools: Any = None
         """The ``tools`` value, when held in the identity memo."""
@@ -302,21 +302,19 @@ class PrefixMemo:
         tools_clean: bool = False,
         *,
         array: str = MESSAGES,
-        planned: list[Any] | None = None,
-        spans: Sequence[tuple[int, ...]] | None = None,
-        kept: int | None = None,
+        view: PlannedView | None = None,
     ) -> bool:
         """Keep ``body`` (parsed from ``raw``, planned into ``match`` with this memo's identity
         memo) for the next bodies of ``scope``. ``recalled``: how it was rebuilt, if it was;
         ``clean``: its leading messages the plan found needing no repair (``tools_clean``: its
         ``tools`` value). False when it cannot be kept (not located, too large, no messages).
 
-        ``array``: the re-sent array's key. ``planned``: the messages the match was planned on,
-        when they are a view of the array's elements, not the elements (``spans``: the elements
-        each was made of); ``kept``: of them, the leading ones that are the very objects of the
-        body ``recalled`` was rebuilt from (default: its shared elements)."""
+        ``array``: the re-sent array's key. ``view``: the messages the match was planned on, when
+        they are a view of the array's elements, not the elements (its ``spans``: the elements each
+        was made of; its ``reused``: the leading ones that are the very objects of the body
+        ``recalled`` was rebuilt from, which are else its shared elements)."""
         elements = body.get(array)
-        messages = elements if planned is None else planned
+        messages = elements if view is None else view.messages
         if (
             type(elements) is not list
             or not elements
@@ -326,7 +324,7 @@ class PrefixMemo:
         ):
             return False
         # The serialized messages locate the elements only when they are the elements.
-        dumped = match.message_dumped if planned is None else ()
+        dumped = match.message_dumped if view is None else ()
         bodies = self._scopes.get(scope)
         if recalled is not None and recalled.body is body and recalled.source.array == array:
             source = recalled.source
@@ -339,7 +337,7 @@ class PrefixMemo:
                 return False
             entry = _Body(
                 raw, source.start, source.ends[:k] + located[0], recalled.close, recalled.body, recalled.tag, source,
-                array=array, planned=planned, spans=spans,
+                array=array, planned=view,
             )
             replaced = _replaced(bodies, source, entry, k) if bodies is not None else None
             if bodies is not None and replaced is not None:
@@ -347,14 +345,14 @@ class PrefixMemo:
                 # one it continues, and the messages they share stay held as they are.
                 bodies.remove(replaced)
                 self._size -= replaced.cost
-                self._hold(entry, match, k if kept is None else kept, replaced)
+                self._hold(entry, match, k if view is None else view.reused, replaced)
             else:
                 self._hold(entry, match, 0, None)
         else:
             found = _layout(raw, elements, dumped, array)
             if found is None:
                 return False
-            entry = _Body(raw, found[0], found[1], found[2], dict(body), tag, array=array, planned=planned, spans=spans)
+            entry = _Body(raw, found[0], found[1], found[2], dict(body), tag, array=array, planned=view)
             self._hold(entry, match, 0, None)
         if bodies is None:
             bodies = self._scopes[scope] = []
@@ -380,17 +378,10 @@ class PrefixMemo:
     ) -> bool:
         """:meth:`remember` a planned body: its match, what its plan found clean, and the view it
         was planned on when there is one (:attr:`~proxy.core.plan.TurnPlan.view`)."""
-        match = plan.match
-        if match is None:
+        if plan.match is None:
             return False
-        view = plan.view
-        if view is None:
-            return self.remember(
-                scope, raw, body, match, recalled, tag, plan.clean, plan.tools_clean, array=array,
-            )
         return self.remember(
-            scope, raw, body, match, recalled, tag, plan.clean, plan.tools_clean, array=array,
-            planned=view.messages, spans=view.spans, kept=view.reused,
+            scope, raw, body, plan.match, recalled, tag, plan.clean, plan.tools_clean, array=array, view=plan.view,
         )
 
     def _hold(self, entry: _Body, match: Match, kept: int, source: _Body | None) -> None:
@@ -400,9 +391,7 @@ class PrefixMemo:
         memo = self.memo
         messages = entry.messages
         sizes, dumped, ids = match.message_sizes, match.message_dumped, match.message_ids
-        if kept and (kept > len(source.messages) if source is not None else True):
-            kept = 0
-        if kept and source is not None and messages[kept - 1] is not source.messages[kept - 1]:
+        if source is None or kept > len(source.messages) or (kept and messages[kept - 1] is not source.messages[kept - 1]):
             kept = 0  # not the objects passed over (a view made anew): hold them all again
         if source is not None:
             for msg in source.messages[kept:]:

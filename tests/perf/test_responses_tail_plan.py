@@ -31,15 +31,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.core.guard import STRICT
-from proxy.core.identity import IdentityMemo
 from proxy.core.match import tenant_root
 from proxy.core.plan import TurnPlan, turn_write
 from proxy.core.policy import Policy
 from proxy.core.prefix import PrefixMemo
-from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
 from proxy.wire.responses import ResponsesObserver, ResponsesWire
-from tests.perf.test_tail_plan import same_plan
+from tests.perf.test_tail_plan import SERIALIZERS as CHAT_SERIALIZERS
+from tests.perf.test_tail_plan import Planner as ChatPlanner
+from tests.perf.test_tail_plan import message_dropped, same_plan
 from tests.responses.agents import SAFE_DRIFTS, Items, ResponsesAgent, Tools
 
 Drift = Callable[[Items, Tools, int], tuple[Items, Tools]]
@@ -57,13 +56,6 @@ def output_edited(items: Items, tools: Tools, turn: int) -> tuple[Items, Tools]:
     return items, tools
 
 
-def item_dropped(items: Items, tools: Tools, turn: int) -> tuple[Items, Tools]:
-    """An item cut out of the middle."""
-    if len(items) > 3:
-        del items[len(items) // 2]
-    return items, tools
-
-
 def reasoning_dropped(items: Items, tools: Tools, turn: int) -> tuple[Items, Tools]:
     """Re-sent reasoning items dropped (a client that keeps no encrypted reasoning)."""
     return [i for i in items if i.get("type") != "reasoning"], tools
@@ -76,7 +68,7 @@ def instructions_stamped(items: Items, tools: Tools, turn: int) -> tuple[Items, 
 
 
 SEMANTIC_DRIFTS: dict[str, Drift] = {
-    fn.__name__: fn for fn in (output_edited, item_dropped, reasoning_dropped, instructions_stamped)
+    fn.__name__: fn for fn in (output_edited, message_dropped, reasoning_dropped, instructions_stamped)
 }
 DRIFTS: dict[str, Drift] = {"no_drift": lambda items, tools, turn: (items, tools), **SAFE_DRIFTS, **SEMANTIC_DRIFTS}
 
@@ -85,9 +77,7 @@ FIRST_ITEM_DRIFTS = frozenset(("content_as_parts", "null_fields", "ids_regenerat
 byte-identical start to continue."""
 
 SERIALIZERS: dict[str, Callable[[Any], bytes]] = {
-    "orjson": orjson.dumps,
-    "json.dumps": lambda body: json.dumps(body).encode(),
-    "indented": lambda body: json.dumps(body, indent=1, ensure_ascii=False).encode(),
+    **CHAT_SERIALIZERS,
     # The instructions after the items: a change to them is outside the byte-identical start.
     "instructions last": lambda body: orjson.dumps(
         {**{k: v for k, v in body.items() if k != "instructions"}, "instructions": body["instructions"]}
@@ -95,26 +85,16 @@ SERIALIZERS: dict[str, Callable[[Any], bytes]] = {
 }
 
 
-class Planner:
-    """One planner of the comparison: its own store, identity memo and (tail) prefix memo."""
+class Planner(ChatPlanner):
+    """One planner of the comparison (the chat test's: its own store, identity memo and, for the
+    tail path, prefix memo), planning Responses bodies."""
 
     def __init__(self, tail: bool, secret: bytes, policy: Policy) -> None:
-        self.store = LocalStore(MemoryStore(3600, 1 << 30, secret=secret))
-        self.memo = IdentityMemo()
-        self.resent = PrefixMemo(self.memo) if tail else None
-        self.policy = policy
-        self.planned = 0
-        self.recalled = 0
+        super().__init__(tail, secret, policy)
         self.reused = 0
         """Plans whose view begins with messages of the previous view (the very objects)."""
         self.taken = 0
         """Plans whose view holds messages of the previous view (the very objects), anywhere."""
-        self.known = 0
-        """Plans that started from the previous turn's match and skipped messages found clean."""
-        self.continuable = 0
-        """Requests that begin as a recent request did, up to the end of its first item: the tail
-        path must be taken for exactly those (it needs one shared item)."""
-        self._heads: list[bytes] = []
 
     def plan(self, raw: bytes, root: bytes) -> tuple[dict[str, Any], TurnPlan]:
         scope = ("scope", root)
@@ -123,7 +103,8 @@ class Planner:
         plan = WIRE.plan(raw, body, root, self.store.view(root), self.policy, self.memo, STRICT, recalled)
         self.planned += 1
         self.recalled += recalled is not None
-        # The members before the items (the instructions, unless they come after) and the first item.
+        # Continuable: the members before the items (the instructions, unless they come after) and
+        # the first item are a recent request's: the tail path needs one shared item.
         head = orjson.dumps([list(itertools.takewhile(lambda kv: kv[0] != "input", body.items())), body["input"][0]])
         self.continuable += head in self._heads[-PrefixMemo.MAX_BODIES :]
         self._heads.append(head)
@@ -141,7 +122,7 @@ class Planner:
             self.resent.remember_plan(scope, raw, body, plan, recalled, array=WIRE.resends or "")
         return body, plan
 
-    def record(self, plan: TurnPlan, output: list[dict[str, Any]]) -> None:
+    def record(self, plan: TurnPlan, output: list[dict[str, Any]]) -> None:  # type: ignore[override]
         observer = ResponsesObserver(STRICT, success=True)
         observer.on_body(orjson.dumps({"output": output, "usage": {"input_tokens": 1, "output_tokens": 1}}))
         reply = observer.end(client_gone=False)

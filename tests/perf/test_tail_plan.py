@@ -132,7 +132,7 @@ class Planner:
         self.known += known is not None and plan.match is not None and plan.match.clean > 0
         self.tools_known += known is not None and plan.match is not None and plan.match.tools_clean
         if self.resent is not None and plan.match is not None:
-            self.resent.remember(("scope", root), raw, body, plan.match, recalled, clean=plan.clean, tools_clean=plan.tools_clean)
+            self.resent.remember_plan(("scope", root), raw, body, plan, recalled)
         return body, plan
 
     def record(self, plan: TurnPlan, reply: dict[str, Any]) -> None:
