@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from aiohttp import hdrs, web
 
 from . import sessions
-from .appkeys import SETTINGS, STORE
+from .appkeys import PIPELINE, SETTINGS, STORE
 from .config import Settings
 from .core import transcript_md
 from .core.model import tenant_root
@@ -138,6 +138,7 @@ async def show_session(request: web.Request) -> web.Response:
     transcript = await sessions.load_session(store, leaf, access.tenant) if leaf is not None else None
     if transcript is None:
         raise SessionNotFound(f"no session {name!r}")
+    transcript = await request.app[PIPELINE].counted_transcript(transcript)  # a node may be stored uncounted
     if fmt == "md":
         return web.Response(text=transcript_md.render(transcript), content_type=MARKDOWN, charset="utf-8")
     return web.Response(body=sessions.session_json(transcript), content_type="application/json")

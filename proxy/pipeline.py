@@ -13,11 +13,12 @@ can fail a request. docs/ARCHITECTURE.md walks through this file.
 Before the response's last byte only what it needs is done: the plan (its headers and
 bytes), the relay, and the turn's write to the store. After it (at the end of the event
 loop's iteration, in batches with every request answered meanwhile): the metrics and the log
-line (:class:`~proxy.report.Reporter`), the token counts of the turn's small nodes when the
-store can fill them in later (the memory store; others count them inline; a large node is
-counted in a worker thread before the write), and the body's layout for the next turn: a
-conversation re-sent byte for byte is parsed and identified only past what it shares with
-its previous body (:mod:`proxy.core.prefix`).
+line (:class:`~proxy.report.Reporter`), the token counts of the turn's small nodes when a
+store that persists them can fill them in later (sqlite; a shared store has them counted
+inline; a large node is counted in a worker thread before the write), and the body's layout
+for the next turn: a conversation re-sent byte for byte is parsed and identified only past
+what it shares with its previous body (:mod:`proxy.core.prefix`). The memory store counts a
+small node's tokens only when they are read: a repair's rescued tokens, a session's view.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -38,6 +39,7 @@ from .core.plan import TurnPlan, turn_write
 from .core.policy import Policy
 from .core.prefix import PrefixMemo, Recalled
 from .core.pricing import PriceTable, cost_of
+from .core.transcript_md import Transcript
 from .errors import ProxyError
 from .failopen import FailOpen
 from .metrics import ProxyMetrics
@@ -56,11 +58,11 @@ from .wire.responses import ResponsesWire
 log = logging.getLogger(__name__)
 
 INLINE_TOKENIZE_BYTES = 4096
-"""New node bodies up to this many bytes in all are tokenized on the event loop (~0.1 ms), after
-the response when the store can fill counts in later; larger ones in a worker thread, before
-the turn is written."""
+"""Node bodies up to this many bytes in all are tokenized on the event loop (~0.1 ms), after the
+response (or when read) when the store can fill counts in later; larger ones in a worker thread."""
 LATER = -2
-"""The token count of a node written uncounted, filled in after the response."""
+"""The token count of a node written uncounted: filled in after the response, or when read
+(:attr:`~proxy.store.local.LocalStore.counts_on_read`)."""
 FILL_ROUNDS = 3
 """Most round trips to a shared store while planning one request."""
 
@@ -101,7 +103,10 @@ class Pipeline:
         self._counting: dict[bytes, asyncio.Future[int]] = {}
         """Node key -> its token count being computed in a worker thread by some request."""
         self._fill_later = isinstance(store, LocalStore) and store.fills_tokens
-        """Small nodes are written uncounted and counted after the response, in batches."""
+        """Small nodes are written uncounted and counted later: after the response, in batches,
+        or (:attr:`_count_on_read`) when read."""
+        self._count_on_read = isinstance(store, LocalStore) and store.counts_on_read
+        """Nodes written uncounted are counted only when something reads their counts."""
         self._uncounted: dict[bytes, bytes] = {}
         """Key -> body of the nodes written uncounted, until :meth:`count_uncounted` runs."""
         self.router = Router(settings.routing, upstream.senders, metrics)
@@ -125,8 +130,9 @@ class Pipeline:
                 plan, view = self.plan(wire, raw, body, scope[0], guard, recalled)
                 if view.missing or (self.store.shared and plan.match is not None):
                     plan = await self.fill(wire, raw, body, scope[0], guard, plan, view)
-                if self._fill_later:
-                    plan = self.exact_rescue(plan, view)
+                if self._fill_later and plan.repair.repairs:
+                    with guard("repair"):
+                        plan = await self.exact_rescue(plan, view)
                 route = self.router.route(plan, body, guard)
 
                 def outgoing(replica: Replica) -> Outgoing:  # the bytes depend on the replica's traits
@@ -264,7 +270,8 @@ class Pipeline:
                     store.write_turn_now(turn)
                 else:
                     await store.write_turn(turn)
-                self.count_after(turn)
+                if not self._count_on_read:
+                    self.count_after(turn)
             return
         with guard("store"):  # a shared store may be slow or gone
             async with asyncio.timeout(self.settings.store.timeout):
@@ -272,25 +279,43 @@ class Pipeline:
 
     async def count_large(self, turn: TurnWrite) -> TurnWrite:
         """Token counts of the nodes left uncounted (-1) past the inline budget: a first turn's
-        system prompt, a large tool result. CPU work, in a worker thread; a node that is stored
-        already, or that another request is counting now (parallel requests of one new
-        conversation), is counted once."""
+        system prompt, a large tool result (:meth:`counts`)."""
         later = [n for n in turn.nodes if n.tokens == -1]
         if not later:
             return turn
-        view = self.store.view(turn.tenant)
+        return replace(turn, nodes=await self.counted(turn.nodes, later, turn.tenant))
+
+    async def counted_transcript(self, transcript: Transcript) -> Transcript:
+        """``transcript`` with every node's token count: those written uncounted are counted now."""
+        later = [n for n in transcript.nodes if n.tokens < 0]
+        if not later:
+            return transcript
+        return replace(transcript, nodes=await self.counted(transcript.nodes, later, transcript.tenant))
+
+    async def counted(self, nodes: Sequence[Node], later: Sequence[Node], tenant: bytes) -> tuple[Node, ...]:
+        """``nodes`` with those of ``later`` counted (:meth:`counts`)."""
+        counts = await self.counts(later, self.store.view(tenant))
+        return tuple(n.with_tokens(counts[n.key]) if n.key in counts and n.tokens < 0 else n for n in nodes)
+
+    async def counts(self, nodes: Sequence[Node], view: NodeReader) -> dict[bytes, int]:
+        """Key -> token count of each of ``nodes``: as written or as stored, else counted once.
+        CPU work: on the event loop within :data:`INLINE_TOKENIZE_BYTES`, beyond in a worker
+        thread; a node that another request is counting now (parallel requests of one new
+        conversation) is waited for. Counts made are filled into a local store that keeps them."""
         counts: dict[bytes, int] = {}
         waits: dict[bytes, asyncio.Future[int]] = {}
         mine: list[Node] = []
-        for node in later:
-            stored = view.get(node.key)
+        for node in nodes:
+            stored = node if node.tokens >= 0 else view.get(node.key)
             if stored is not None and stored.tokens >= 0:
                 counts[node.key] = stored.tokens
             elif node.key in self._counting:
                 waits[node.key] = self._counting[node.key]
             else:
                 mine.append(node)
-        if mine:
+        if mine and sum(len(n.body) for n in mine) <= INLINE_TOKENIZE_BYTES:
+            counts.update(zip((n.key for n in mine), self._count([n.body for n in mine]), strict=True))
+        elif mine:
             loop = asyncio.get_running_loop()
             futures = {node.key: loop.create_future() for node in mine}
             self._counting.update(futures)
@@ -303,10 +328,12 @@ class Pipeline:
                     del self._counting[key]
         for key, future in waits.items():
             counts[key] = await asyncio.shield(future)
-        missing = [node for node in later if counts.get(node.key, -1) < 0]
+        missing = [node for node in nodes if counts.get(node.key, -1) < 0]
         if missing:
             counts.update(zip((n.key for n in missing), await asyncio.to_thread(self._count, [n.body for n in missing]), strict=True))
-        return replace(turn, nodes=tuple(n.with_tokens(counts[n.key]) if n.tokens == -1 else n for n in turn.nodes))
+        if mine and self._fill_later and isinstance(self.store, LocalStore):
+            self.store.fill_tokens({n.key: counts[n.key] for n in mine})
+        return counts
 
     def _count(self, bodies: list[bytes]) -> list[int]:
         count = self.tokens.count_body
@@ -327,12 +354,12 @@ class Pipeline:
         pending, self._uncounted = self._uncounted, {}
         if pending and isinstance(self.store, LocalStore):
             with FailOpen(self.metrics.error)("record"):
-                count = self.tokens.count_body
-                self.store.fill_tokens({key: count(body) for key, body in pending.items()})
+                self.store.fill_tokens(dict(zip(pending, self._count(list(pending.values())), strict=True)))
 
-    def exact_rescue(self, plan: TurnPlan, view: NodeReader) -> TurnPlan:
-        """A repaired plan whose rescued tokens count nodes written uncounted (a turn answered in
-        this very loop iteration) gets them counted: ``rescued_tokens`` is exact."""
+    async def exact_rescue(self, plan: TurnPlan, view: NodeReader) -> TurnPlan:
+        """A repaired plan whose rescued tokens count nodes written uncounted (not counted yet,
+        or answered in this very loop iteration) gets them counted (:meth:`counts`):
+        ``rescued_tokens`` is exact."""
         repair, match = plan.repair, plan.match
         if not repair.repairs or match is None:
             return plan
@@ -340,11 +367,8 @@ class Pipeline:
         if all(n.tokens >= 0 for n in nodes):
             return plan
         self.count_uncounted()
-        total = 0
-        for node in nodes:
-            stored = view.get(node.key) if node.tokens < 0 else node
-            total += stored.tokens if stored is not None and stored.tokens >= 0 else self.tokens.count_body(node.body)
-        return replace(plan, repair=replace(repair, rescued_tokens=total))
+        counts = await self.counts(nodes, view)
+        return replace(plan, repair=replace(repair, rescued_tokens=sum(counts[n.key] for n in nodes)))
 
 
 class _TokenBudget:

@@ -1,67 +1,80 @@
-"""Token counts of a turn's small nodes are filled in after the response; the nodes are not.
+"""Token counts of a turn's small nodes are made after the response or when read; the nodes are
+written before it.
 
-With the memory store, a turn's nodes are written before the response's last byte, uncounted,
-and their counts (tiktoken) are filled in at the end of that event-loop iteration, in a batch
-with every other request answered meanwhile. Checked here:
+A turn's nodes are written before the response's last byte. Small ones are written uncounted
+(:data:`~proxy.pipeline.LATER`): the sqlite store, which persists them, has their counts
+(tiktoken) made when something reads them: a repair's rescued tokens (before its response) or
+a session's view. The sqlite store, which persists a node as it is written, has it counted
+inline. Checked here:
 
 * the store's fill replaces the node everywhere it is indexed, and its byte accounting is what
   a store built with the counted nodes holds;
-* end to end (kvwarm, the reference upstream, a drifting agent): after every response every
-  stored node has its exact count, and ``rescued=`` in the header is the exact sum of the
-  counts of the nodes it names;
-* a repair planned while the nodes it rescues are still uncounted (same loop iteration) still
-  reports the exact count.
+* end to end (kvwarm, the reference upstream, agents drifting in two ways), memory store: no
+  stored count is ever wrong, small nodes nobody read stay uncounted, ``rescued=`` in the
+  header is the exact sum of the counts of the nodes it names, and a session's view (JSON and
+  Markdown) has every count, which the store then keeps;
+* with the sqlite store, every node is counted at every response, and ``rescued=`` is exact;
+* a repair planned while the nodes it rescues are uncounted (never read, or answered in this
+  very event-loop iteration and queued) still reports the exact count, counted on the event
+  loop when they are small and in a worker thread when they are not, and counted once.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import aiohttp
+import orjson
+import pytest
 from aiohttp.test_utils import TestServer
 
 from proxy.app import PIPELINE
+from proxy.core import transcript_md
 from proxy.core.match import tenant_root
-from proxy.core.plan import plan_turn, turn_write
+from proxy.core.model import TurnWrite
+from proxy.core.plan import TurnPlan, plan_turn, turn_write
 from proxy.core.policy import Policy
 from proxy.core.record import Reply
-from proxy.pipeline import LATER
+from proxy.pipeline import INLINE_TOKENIZE_BYTES, LATER, Pipeline
 from proxy.store.local import LocalStore
 from proxy.store.memory import MemoryStore
 from proxy.tokens import TokenCounter
-from tests.agents import Agent, args_python_dumps
+from tests.agents import Agent, args_python_dumps, whitespace_stripped
 from tests.conftest import ProxyFactory, poster, store_of
 
 SECRET = b"t" * 32
 ROOT = tenant_root(SECRET, "Bearer sk-alice")
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+COUNTER = TokenCounter()
 
 
-def first_turn() -> tuple[dict[str, Any], dict[str, Any]]:
-    call = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"q":"cache key"}'}}
+def first_turn(query: str = "cache key") -> tuple[dict[str, Any], dict[str, Any]]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "search", "arguments": orjson.dumps({"q": query}).decode()}}
     body = {"model": "m", "tools": TOOLS, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Find it."}]}
     return body, {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
-def written_uncounted(store: LocalStore, body: dict[str, Any], reply: dict[str, Any]) -> list[Any]:
-    plan = plan_turn(body, ROOT, store.view(ROOT), Policy())
+def written_uncounted(store: LocalStore, body: dict[str, Any], reply: dict[str, Any], root: bytes = ROOT) -> TurnWrite:
+    plan = plan_turn(body, root, store.view(root), Policy())
     turn = turn_write(plan, Reply(reply, "tool_calls", False, "m"), None, None, model="m", client_gone=False, now=time.time(),
                       count_tokens=lambda body: LATER)
     assert turn is not None
     store.write_turn_now(turn)
-    return list(turn.nodes)
+    return turn
 
 
 def test_a_fill_reaches_every_index_and_the_accounting() -> None:
-    counter = TokenCounter()
     store = LocalStore(MemoryStore(3600, 1 << 30, secret=SECRET))
-    assert store.fills_tokens
-    nodes = written_uncounted(store, *first_turn())
+    assert store.fills_tokens and store.counts_on_read
+    nodes = written_uncounted(store, *first_turn()).nodes
     memory = store.local
     assert isinstance(memory, MemoryStore)
     assert all(memory.get(n.key).tokens == LATER for n in nodes)  # type: ignore[union-attr]
-    counts = {n.key: counter.count_body(n.body) for n in nodes}
+    counts = {n.key: COUNTER.count_body(n.body) for n in nodes}
     assert store.fill_tokens(counts) == len(nodes)
     assert store.fill_tokens(counts) == 0, "a count is filled in once"
     for n in nodes:
@@ -75,15 +88,96 @@ def test_a_fill_reaches_every_index_and_the_accounting() -> None:
     body, reply = first_turn()
     plan = plan_turn(body, ROOT, counted.view(ROOT), Policy())
     turn = turn_write(plan, Reply(reply, "tool_calls", False, "m"), None, None, model="m", client_gone=False, now=time.time(),
-                      count_tokens=counter.count_body)
+                      count_tokens=COUNTER.count_body)
     assert turn is not None
     counted.write_turn_now(turn)
     assert counted.stats().bytes == store.stats().bytes
 
 
-async def test_counts_and_rescued_tokens_are_exact_after_every_response(make_proxy: ProxyFactory, sim: TestServer) -> None:
+def rescues_seen(pipeline: Pipeline) -> list[tuple[TurnPlan, TurnPlan]]:
+    """Every (plan, plan with exact rescued tokens) the pipeline makes, in order."""
+    seen: list[tuple[TurnPlan, TurnPlan]] = []
+    exact_rescue = pipeline.exact_rescue
+
+    async def recorded(plan: TurnPlan, view: Any) -> TurnPlan:
+        exact = await exact_rescue(plan, view)
+        seen.append((plan, exact))
+        return exact
+
+    pipeline.exact_rescue = recorded  # type: ignore[method-assign]
+    return seen
+
+
+def rescued_headers(headers: list[dict[str, str]]) -> list[int]:
+    return [int(h["x-kvwarm-prefix"].split("rescued=")[1].split(";")[0]) for h in headers if "rescued=" in h["x-kvwarm-prefix"]]
+
+
+def rescued_nodes(plan: TurnPlan) -> tuple[Any, ...]:
+    assert plan.match is not None
+    return plan.match.nodes[min(r.depth for r in plan.repair.repairs) :]
+
+
+def exact_sum(plan: TurnPlan) -> int:
+    return sum(COUNTER.count_body(n.body) for n in rescued_nodes(plan))
+
+
+def uncounted_in(plan: TurnPlan) -> bool:
+    return any(n.tokens < 0 for n in rescued_nodes(plan))
+
+
+async def get(server: TestServer, path: str) -> bytes:
+    async with aiohttp.ClientSession() as s, s.get(server.make_url(path)) as r:
+        assert r.status == 200, await r.text()
+        return await r.read()
+
+
+@pytest.mark.parametrize("drift", [args_python_dumps, whitespace_stripped])
+async def test_the_memory_store_counts_what_is_read_and_exactly(make_proxy: ProxyFactory, sim: TestServer, drift: Any) -> None:
     kvwarm = await make_proxy(sim)
-    counter = TokenCounter()
+    pipeline = kvwarm.app[PIPELINE]
+    seen = rescues_seen(pipeline)
+    store = store_of(kvwarm)
+    assert isinstance(pipeline.store, LocalStore) and pipeline.store.counts_on_read
+    headers: list[dict[str, str]] = []
+    post = poster(kvwarm)
+
+    async def checked(body: dict[str, Any]) -> dict[str, Any]:
+        response = await post(body)
+        headers.append(response["_headers"])
+        for node in store._nodes.values():  # uncounted, or counted right
+            assert node.tokens in (LATER, COUNTER.count_body(node.body)), node.role
+        return response
+
+    await Agent(post=checked, drift=drift).run(5)
+    assert len(seen) >= 3, "the drifting agent's repairs rescue tokens"
+    assert any(uncounted_in(plan) for plan, _ in seen), "planned over uncounted nodes"
+    for plan, exact in seen:
+        assert exact == replace(plan, repair=replace(plan.repair, rescued_tokens=exact_sum(plan)))
+    assert rescued_headers(headers) == [exact.repair.rescued_tokens for _, exact in seen]
+    assert any(n.tokens == LATER for n in store._nodes.values()), "what nobody read stays uncounted"
+
+    (info,) = store.sessions()
+    path = store.path(info.leaf)
+    assert any(n.tokens == LATER for n in path)
+    detail = orjson.loads(await get(kvwarm, f"/kvwarm/sessions/{info.leaf.hex()}"))
+    assert [e["tokens"] for e in detail["elements"]] == [COUNTER.count_body(n.body) for n in path]
+    assert [n.tokens for n in store.path(info.leaf)] == [COUNTER.count_body(n.body) for n in path], "kept once counted"
+    back = transcript_md.parse(await get(kvwarm, f"/kvwarm/sessions/{info.leaf.hex()}.md"))
+    assert [n.tokens for n in back.nodes] == [COUNTER.count_body(n.body) for n in path]
+
+
+async def test_the_sqlite_store_has_every_node_counted(make_proxy: ProxyFactory, sim: TestServer, tmp_path: Path) -> None:
+    kvwarm = await make_proxy(sim, store__backend=f"sqlite:{tmp_path / 'k.db'}")
+    pipeline = kvwarm.app[PIPELINE]
+    assert isinstance(pipeline.store, LocalStore) and not pipeline.store.counts_on_read
+    planned: list[TurnPlan] = []
+    plan = pipeline.plan
+
+    def recorded(*args: Any) -> Any:
+        planned.append((result := plan(*args))[0])
+        return result
+
+    pipeline.plan = recorded  # type: ignore[method-assign]
     store = store_of(kvwarm)
     headers: list[dict[str, str]] = []
     post = poster(kvwarm)
@@ -91,39 +185,60 @@ async def test_counts_and_rescued_tokens_are_exact_after_every_response(make_pro
     async def checked(body: dict[str, Any]) -> dict[str, Any]:
         response = await post(body)
         headers.append(response["_headers"])
-        for node in store._nodes.values():  # every node, written before the response, counted after it
-            assert node.tokens == counter.count_body(node.body), node.role
+        for node in store._nodes.values():  # every node, counted as it is written
+            assert node.tokens == COUNTER.count_body(node.body), node.role
         return response
 
-    agent = Agent(post=checked, drift=args_python_dumps)
-    await agent.run(5)
-    rescued = [int(h["x-kvwarm-prefix"].split("rescued=")[1].split(";")[0]) for h in headers if "rescued=" in h["x-kvwarm-prefix"]]
-    assert len(rescued) >= 3 and all(r > 0 for r in rescued), "the drifting agent's repairs rescue tokens"
+    await Agent(post=checked, drift=args_python_dumps).run(5)
+    repaired = [p for p in planned if p.repair.repairs]
+    assert len(repaired) >= 3
+    assert rescued_headers(headers) == [p.repair.rescued_tokens for p in repaired] == [exact_sum(p) for p in repaired]
 
 
-async def test_a_repair_planned_before_the_fill_counts_exactly(make_proxy: ProxyFactory, sim: TestServer) -> None:
+def drifted(body: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
+    """The next turn, re-sending the call with its arguments re-serialized: a repair over it."""
+    call = reply["tool_calls"][0]
+    spaced = orjson.dumps(orjson.loads(call["function"]["arguments"]), option=orjson.OPT_INDENT_2).decode()
+    again = {**reply, "tool_calls": [{**call, "function": {**call["function"], "arguments": spaced}}]}
+    return {**body, "messages": [*body["messages"], again, {"role": "tool", "tool_call_id": "call_1", "content": "found"}]}
+
+
+@pytest.mark.parametrize(
+    ("query_bytes", "queued"),
+    [(20, False), (20, True), (2 * INLINE_TOKENIZE_BYTES, False)],
+    ids=["small, on the loop", "small, queued in this iteration", "large, in a thread"],
+)
+async def test_a_repair_planned_over_uncounted_nodes_counts_them_exactly(
+    make_proxy: ProxyFactory, sim: TestServer, query_bytes: int, queued: bool
+) -> None:
     kvwarm = await make_proxy(sim)
     pipeline = kvwarm.app[PIPELINE]
     store = pipeline.store
     assert isinstance(store, LocalStore) and store.fills_tokens
+    threads: list[int] = []
+    count = pipeline._count
+
+    def counting(bodies: list[bytes]) -> list[int]:
+        threads.append(threading.get_ident())
+        return count(bodies)
+
+    pipeline._count = counting  # type: ignore[method-assign]
     root = pipeline.tenants.of({"Authorization": "Bearer sk-alice"})
-    body, reply = first_turn()
-    plan = plan_turn(body, root, store.view(root), pipeline.policy)
-    turn = turn_write(plan, Reply(reply, "tool_calls", False, "m"), None, None, model="m", client_gone=False, now=time.time(),
-                      count_tokens=lambda b: LATER)
-    assert turn is not None
-    store.write_turn_now(turn)
-    pipeline.count_after(turn)  # queued for the end of this iteration: not counted yet
-    # The next turn re-sends the call with its arguments re-serialized: a repair over those nodes.
-    drifted = {**body, "messages": [*body["messages"], {**reply, "tool_calls": [{**reply["tool_calls"][0], "function": {"name": "search", "arguments": '{"q": "cache key"}'}}]},
-                                    {"role": "tool", "tool_call_id": "call_1", "content": "found"}]}
+    body, reply = first_turn("cache key " * (query_bytes // 10))
+    turn = written_uncounted(store, body, reply, root)
+    if queued:
+        pipeline.count_after(turn)  # to be counted at the end of this iteration: not yet
     view = store.view(root)
-    repaired = plan_turn(drifted, root, view, pipeline.policy)
-    assert repaired.repair.repairs and repaired.repair.rescued_tokens < 0, "planned over uncounted nodes"
-    exact = pipeline.exact_rescue(repaired, view)
-    counter = TokenCounter()
-    first = min(r.depth for r in repaired.repair.repairs)
-    assert repaired.match is not None
-    expected = sum(counter.count_body(n.body) for n in repaired.match.nodes[first:])
-    assert exact.repair.rescued_tokens == expected > 0
-    assert exact == replace(repaired, repair=replace(repaired.repair, rescued_tokens=expected))
+    repaired = plan_turn(drifted(body, reply), root, view, pipeline.policy)
+    assert repaired.repair.repairs and uncounted_in(repaired), "planned over uncounted nodes"
+    exact = await pipeline.exact_rescue(repaired, view)
+    assert exact == replace(repaired, repair=replace(repaired.repair, rescued_tokens=exact_sum(repaired)))
+    assert exact.repair.rescued_tokens > 0
+    on_loop = threading.get_ident()
+    assert threads and all((t == on_loop) is (query_bytes < INLINE_TOKENIZE_BYTES) for t in threads)
+    filled = [view.get(n.key) for n in rescued_nodes(repaired)]
+    assert all(n is not None and n.tokens == COUNTER.count_body(n.body) for n in filled), "filled in"
+    before = len(threads)
+    assert await pipeline.exact_rescue(repaired, view) == exact
+    assert len(threads) == before, "counted once"
+
