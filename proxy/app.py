@@ -138,10 +138,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         app[READY].clear()
         maintenance.cancel()
         await asyncio.gather(maintenance, return_exceptions=True)
-        # The last loop iteration's reports and deferred token counts, before the store closes.
-        pipeline = app[PIPELINE]
-        pipeline.reporter.flush()
-        pipeline.count_uncounted()
+        # The last loop iteration's reports, before the store closes.
+        app[PIPELINE].reporter.flush()
         try:
             await store.close()
         finally:

@@ -28,6 +28,7 @@ from .core import transcript_md
 from .core.policy import Policy
 from .store.base import AsyncStore, SessionInfo
 from .store.factory import make_store
+from .tokens import TokenCounter
 
 __all__ = ["run"]
 
@@ -107,7 +108,7 @@ def format_table(infos: list[SessionInfo]) -> str:
 
 async def _show(store: AsyncStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
     leaf = await sessions.find_session(store, args.session)
-    transcript = await sessions.load_session(store, leaf) if leaf is not None else None
+    transcript = await sessions.load_session(store, leaf, count=TokenCounter().count_body) if leaf is not None else None
     if transcript is None:
         err.write(f"kvwarm: no session {args.session!r} (or the prefix is ambiguous); see `kvwarm sessions`\n")
         return FAILED
@@ -120,7 +121,7 @@ async def _show(store: AsyncStore, args: argparse.Namespace, settings: Settings,
 
 async def _export(store: AsyncStore, args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO) -> int:
     directory = Path(args.dir)
-    report = await sessions.export_sessions(store, directory)
+    report = await sessions.export_sessions(store, directory, count=TokenCounter().count_body)
     for path in report.written:
         out.write(f"{path}\n")
     for sid, problem in report.failed:

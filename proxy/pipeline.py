@@ -13,12 +13,11 @@ can fail a request. docs/ARCHITECTURE.md walks through this file.
 Before the response's last byte only what it needs is done: the plan (its headers and
 bytes), the relay, and the turn's write to the store. After it (at the end of the event
 loop's iteration, in batches with every request answered meanwhile): the metrics and the log
-line (:class:`~proxy.report.Reporter`), the token counts of the turn's small nodes when a
-store that persists them can fill them in later (sqlite; a shared store has them counted
-inline; a large node is counted in a worker thread before the write), and the body's layout
-for the next turn: a conversation re-sent byte for byte is parsed and identified only past
-what it shares with its previous body (:mod:`proxy.core.prefix`). The memory store counts a
-small node's tokens only when they are read: a repair's rescued tokens, a session's view.
+line (:class:`~proxy.report.Reporter`), and the body's layout for the next turn: a
+conversation re-sent byte for byte is parsed and identified only past what it shares with its
+previous body (:mod:`proxy.core.prefix`). Token counts (tiktoken) are made when they are read
+(a repair's rescued tokens, a session's view) with a local store; a shared store has small
+nodes counted inline; a large node is counted in a worker thread before the write.
 """
 
 from __future__ import annotations
@@ -58,11 +57,11 @@ from .wire.responses import ResponsesWire
 log = logging.getLogger(__name__)
 
 INLINE_TOKENIZE_BYTES = 4096
-"""Node bodies up to this many bytes in all are tokenized on the event loop (~0.1 ms), after the
-response (or when read) when the store can fill counts in later; larger ones in a worker thread."""
+"""Node bodies up to this many bytes in all are tokenized on the event loop (~0.1 ms): when read,
+with a store that fills counts in later, else before the write; larger ones in a worker thread."""
 LATER = -2
-"""The token count of a node written uncounted: filled in after the response, or when read
-(:attr:`~proxy.store.local.LocalStore.counts_on_read`)."""
+"""The token count of a node written uncounted, filled in when read
+(:attr:`~proxy.store.local.LocalStore.fills_tokens`)."""
 FILL_ROUNDS = 3
 """Most round trips to a shared store while planning one request."""
 
@@ -103,12 +102,7 @@ class Pipeline:
         self._counting: dict[bytes, asyncio.Future[int]] = {}
         """Node key -> its token count being computed in a worker thread by some request."""
         self._fill_later = isinstance(store, LocalStore) and store.fills_tokens
-        """Small nodes are written uncounted and counted later: after the response, in batches,
-        or (:attr:`_count_on_read`) when read."""
-        self._count_on_read = isinstance(store, LocalStore) and store.counts_on_read
-        """Nodes written uncounted are counted only when something reads their counts."""
-        self._uncounted: dict[bytes, bytes] = {}
-        """Key -> body of the nodes written uncounted, until :meth:`count_uncounted` runs."""
+        """Small nodes are written uncounted and counted when something reads their counts."""
         self.router = Router(settings.routing, upstream.senders, metrics)
         """Which replica takes each request; each replica keeps its own traits (:mod:`proxy.traits`)."""
 
@@ -270,8 +264,6 @@ class Pipeline:
                     store.write_turn_now(turn)
                 else:
                     await store.write_turn(turn)
-                if not self._count_on_read:
-                    self.count_after(turn)
             return
         with guard("store"):  # a shared store may be slow or gone
             async with asyncio.timeout(self.settings.store.timeout):
@@ -339,41 +331,22 @@ class Pipeline:
         count = self.tokens.count_body
         return [count(body) for body in bodies]
 
-    def count_after(self, turn: TurnWrite) -> None:
-        """Count the turn's nodes written uncounted after the response (the end of this loop
-        iteration), with those of every other request answered meanwhile."""
-        later = {n.key: n.body for n in turn.nodes if n.tokens == LATER}
-        if not later:
-            return
-        if not self._uncounted:
-            asyncio.get_running_loop().call_soon(self.count_uncounted)
-        self._uncounted.update(later)
-
-    def count_uncounted(self) -> None:
-        """Fill in the token counts of the nodes written uncounted so far."""
-        pending, self._uncounted = self._uncounted, {}
-        if pending and isinstance(self.store, LocalStore):
-            with FailOpen(self.metrics.error)("record"):
-                self.store.fill_tokens(dict(zip(pending, self._count(list(pending.values())), strict=True)))
-
     async def exact_rescue(self, plan: TurnPlan, view: NodeReader) -> TurnPlan:
-        """A repaired plan whose rescued tokens count nodes written uncounted (not counted yet,
-        or answered in this very loop iteration) gets them counted (:meth:`counts`):
-        ``rescued_tokens`` is exact."""
+        """A repaired plan whose rescued tokens count nodes written uncounted gets them counted
+        (:meth:`counts`): ``rescued_tokens`` is exact."""
         repair, match = plan.repair, plan.match
         if not repair.repairs or match is None:
             return plan
         nodes = match.nodes[min(r.depth for r in repair.repairs) :]
         if all(n.tokens >= 0 for n in nodes):
             return plan
-        self.count_uncounted()
         counts = await self.counts(nodes, view)
         return replace(plan, repair=replace(repair, rescued_tokens=sum(counts[n.key] for n in nodes)))
 
 
 class _TokenBudget:
     """Token counts while the bodies counted stay within ``budget`` bytes in all: on the event
-    loop, or with ``later`` :data:`LATER` (counted after the response); -1 beyond (counted in a
+    loop, or with ``later`` :data:`LATER` (counted when read); -1 beyond (counted in a
     worker thread before the turn is written)."""
 
     __slots__ = ("_count", "_later", "_left")

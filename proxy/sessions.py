@@ -42,7 +42,7 @@ import hmac
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -122,11 +122,18 @@ async def find_session(store: AsyncStore, text: str, tenant: bytes | None = None
 
 
 async def load_session(
-    store: AsyncStore, leaf: bytes, tenant: bytes | None = None, *, with_secret: bool = True
+    store: AsyncStore,
+    leaf: bytes,
+    tenant: bytes | None = None,
+    *,
+    with_secret: bool = True,
+    count: Callable[[bytes], int] | None = None,
 ) -> Transcript | None:
     """The session ending at ``leaf`` (of ``tenant`` when given), or None.
 
     ``with_secret=False`` leaves :attr:`Transcript.secret_id` empty (it is only needed to export).
+    ``count`` (a node body's token count): the nodes stored uncounted (a local store counts
+    them when read) are counted for this transcript, in a worker thread; the store is not changed.
     """
     totals = await store.totals(leaf, tenant)
     if totals is None:
@@ -134,6 +141,8 @@ async def load_session(
     nodes = await store.path(leaf, tenant)
     if not nodes or (tenant is not None and nodes[-1].tenant != tenant):
         return None
+    if count is not None and any(n.tokens < 0 for n in nodes):
+        nodes = await asyncio.to_thread(with_counts, nodes, count)
     return Transcript(
         session=leaf,
         tenant=nodes[-1].tenant,
@@ -141,6 +150,11 @@ async def load_session(
         totals=totals,
         nodes=tuple(nodes),
     )
+
+
+def with_counts(nodes: Sequence[Node], count: Callable[[bytes], int]) -> list[Node]:
+    """``nodes``, each stored uncounted (tokens < 0) with its count."""
+    return [n.with_tokens(count(n.body)) if n.tokens < 0 else n for n in nodes]
 
 
 # -- JSON views ------------------------------------------------------------------------------
@@ -233,13 +247,16 @@ def write_new_file(directory: Path, stem: str, data: bytes) -> Path:
     raise FileExistsError(f"{directory}: no free name {stem}_<n>.md below n={MAX_NAME_TRIES}")
 
 
-async def export_sessions(store: AsyncStore, directory: Path, tenant: bytes | None = None) -> ExportReport:
-    """Write every session (of ``tenant`` when given) to ``directory`` (created if missing)."""
+async def export_sessions(
+    store: AsyncStore, directory: Path, tenant: bytes | None = None, *, count: Callable[[bytes], int] | None = None
+) -> ExportReport:
+    """Write every session (of ``tenant`` when given) to ``directory`` (created if missing);
+    ``count``: as :func:`load_session`'s."""
     # The command line's own loop: file work goes to a thread all the same (nothing blocks a loop).
     await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     report = ExportReport()
     for info in await store.sessions(tenant):
-        transcript = await load_session(store, info.leaf, info.tenant)
+        transcript = await load_session(store, info.leaf, info.tenant, count=count)
         if transcript is None:  # evicted between listing and loading
             continue
         try:

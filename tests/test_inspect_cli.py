@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import sqlite3
 import threading
 from collections import Counter
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +28,13 @@ from proxy.core import transcript_md
 from proxy.core.identity import message_identity, tools_identity
 from proxy.core.match import chain, tenant_root
 from proxy.errors import TranscriptFormatError
+from proxy.pipeline import LATER
 from proxy.sim.render import render_tokens
 from proxy.store.base import Node, SessionTotals
 from proxy.store.local import LocalStore
 from proxy.store.memory import MemoryStore
 from proxy.store.sqlite import SqliteStore
+from proxy.tokens import TokenCounter
 from tests.agents import Agent, args_keys_reordered, tools_reordered
 from tests.conftest import ProxyFactory, poster, received
 
@@ -111,6 +115,39 @@ async def test_export_import_keeps_repairing_under_the_same_secret(
     assert seen["repaired"] > 0 and seen["matched"] == turn.resent
     assert last_rendered(sim) == clean_fourth  # the upstream received the stored form
     assert turn.cached > 0
+
+
+async def test_show_and_export_count_what_kvwarm_stored_uncounted_and_leave_the_file(
+    make_sim: Any, make_proxy: ProxyFactory, tmp_path: Path
+) -> None:
+    db = tmp_path / "a.db"
+    await drifted_history(make_sim, make_proxy, db, SECRET)
+    before = tokens_in(db)
+    assert LATER in before.values(), "kvwarm stores small nodes uncounted"
+    settings = cli_settings(db, SECRET)
+    status, out, _ = await acli("sessions", settings)
+    sid = out.splitlines()[1].split()[0]
+    counter = TokenCounter()
+
+    status, js, err = await acli("show", settings, session=sid, format="json")
+    assert status == 0, err
+    elements = orjson.loads(js)["elements"]
+    assert [e["tokens"] for e in elements] == [counter.count_body(orjson.dumps(e["body"])) for e in elements]
+    status, md, err = await acli("show", settings, session=sid, format="md")
+    assert status == 0, err
+    shown = transcript_md.parse(md.encode())
+    assert [n.tokens for n in shown.nodes] == [counter.count_body(n.body) for n in shown.nodes]
+
+    status, out, err = await acli("export", settings, dir=str(tmp_path / "export"))
+    assert status == 0, err
+    (exported,) = out.split()
+    assert transcript_md.parse(await asyncio.to_thread(Path(exported).read_bytes)).nodes == shown.nodes
+    assert tokens_in(db) == before, "a reading command never writes the server's file"
+
+
+def tokens_in(db: Path) -> dict[bytes, int]:
+    with closing(sqlite3.connect(db)) as conn:
+        return dict(conn.execute("SELECT key, tokens FROM nodes").fetchall())
 
 
 async def test_import_with_a_tenant_key_into_a_store_with_another_secret(

@@ -48,12 +48,8 @@ class LocalStore:
         """The wrapped store (tests and the CLI read it directly)."""
         self._view = _CompleteView(store)
         self.fills_tokens = isinstance(store, MemoryStore) and store.fills_tokens
-        """Nodes may be written uncounted and their token counts filled in later
-        (:meth:`fill_tokens`): the memory backend, or one that persists the fill."""
-        self.counts_on_read = type(store) is MemoryStore
-        """Nodes written uncounted stay so until their counts are read (a repair's rescued
-        tokens, a session's view): nothing outlives the process to read them otherwise. A
-        backend that persists the fill has them counted after the response instead."""
+        """Small nodes may be written uncounted and their token counts filled in when read
+        (:meth:`fill_tokens`): the memory backend, or one that persists the fill (sqlite)."""
 
     async def open(self) -> None:
         await self.local.open()

@@ -183,8 +183,9 @@ class MemoryStore:
 
     @property
     def fills_tokens(self) -> bool:
-        """Token counts of stored nodes may be filled in later (:meth:`fill_tokens`): this store
-        keeps them (memory), or persists the fill (a backend that implements ``_on_tokens``)."""
+        """Nodes may be stored uncounted and their token counts filled in when read
+        (:meth:`fill_tokens`): this store keeps them (memory), or persists the fill (a backend
+        that implements ``_on_tokens``)."""
         return type(self) is MemoryStore or type(self)._on_tokens is not MemoryStore._on_tokens
 
     def fill_tokens(self, counts: Mapping[bytes, int]) -> int:

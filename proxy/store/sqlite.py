@@ -33,6 +33,7 @@ from pathlib import Path
 from ..errors import StoreError
 from .base import Node, SessionTotals
 from .memory import MemoryStore
+from .memory_costs import blob_hash
 from .sqlite_flush import WriteBehind
 from .sqlite_load import Damaged, Loader, read_secret, set_aside
 from .sqlite_schema import (
@@ -140,6 +141,11 @@ class SqliteStore(MemoryStore):
 
     def _on_touch(self, key: bytes, now: float) -> None:
         self._writer.pending.used[key] = now
+
+    def _on_tokens(self, key: bytes, tokens: int) -> None:
+        node = self._index.nodes.get(key)
+        if node is not None:  # the node's row again, with its count
+            self._writer.pending.put_node(node, blob_hash(node.body))
 
     def _on_totals(self, leaf: bytes, totals: SessionTotals | None) -> None:
         if totals is None:

@@ -1,28 +1,27 @@
-"""Token counts of a turn's small nodes are made after the response or when read; the nodes are
-written before it.
+"""Token counts of a turn's small nodes are made when they are read, not on every turn.
 
-A turn's nodes are written before the response's last byte. Small ones are written uncounted
-(:data:`~proxy.pipeline.LATER`): the sqlite store, which persists them, has their counts
-(tiktoken) made when something reads them: a repair's rescued tokens (before its response) or
-a session's view. The sqlite store, which persists a node as it is written, has it counted
-inline. Checked here:
+A turn's nodes are written before the response's last byte. With a local store (memory,
+sqlite) small ones are written uncounted (:data:`~proxy.pipeline.LATER`), and their counts
+(tiktoken, CPU work) are made when something reads them: a repair's rescued tokens (before its
+response) or a session's view. Checked here:
 
 * the store's fill replaces the node everywhere it is indexed, and its byte accounting is what
   a store built with the counted nodes holds;
-* end to end (kvwarm, the reference upstream, agents drifting in two ways), memory store: no
-  stored count is ever wrong, small nodes nobody read stay uncounted, ``rescued=`` in the
+* end to end (kvwarm, the reference upstream, agents drifting in two ways, both local stores):
+  no stored count is ever wrong, small nodes nobody read stay uncounted, ``rescued=`` in the
   header is the exact sum of the counts of the nodes it names, and a session's view (JSON and
-  Markdown) has every count, which the store then keeps;
-* with the sqlite store, every node is counted at every response, and ``rescued=`` is exact;
-* a repair planned while the nodes it rescues are uncounted (never read, or answered in this
-  very event-loop iteration and queued) still reports the exact count, counted on the event
-  loop when they are small and in a worker thread when they are not, and counted once.
+  Markdown) has every count, which the store then keeps (sqlite: in its file);
+* a repair planned while the nodes it rescues are uncounted still reports the exact count,
+  counted on the event loop when they are small and in a worker thread when they are not, and
+  counted once.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -69,7 +68,7 @@ def written_uncounted(store: LocalStore, body: dict[str, Any], reply: dict[str, 
 
 def test_a_fill_reaches_every_index_and_the_accounting() -> None:
     store = LocalStore(MemoryStore(3600, 1 << 30, secret=SECRET))
-    assert store.fills_tokens and store.counts_on_read
+    assert store.fills_tokens
     nodes = written_uncounted(store, *first_turn()).nodes
     memory = store.local
     assert isinstance(memory, MemoryStore)
@@ -132,12 +131,16 @@ async def get(server: TestServer, path: str) -> bytes:
 
 
 @pytest.mark.parametrize("drift", [args_python_dumps, whitespace_stripped])
-async def test_the_memory_store_counts_what_is_read_and_exactly(make_proxy: ProxyFactory, sim: TestServer, drift: Any) -> None:
-    kvwarm = await make_proxy(sim)
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_a_local_store_counts_what_is_read_and_exactly(
+    make_proxy: ProxyFactory, sim: TestServer, tmp_path: Path, backend: str, drift: Any
+) -> None:
+    db = tmp_path / "k.db"
+    kvwarm = await make_proxy(sim, store__backend=backend if backend == "memory" else f"sqlite:{db}")
     pipeline = kvwarm.app[PIPELINE]
     seen = rescues_seen(pipeline)
     store = store_of(kvwarm)
-    assert isinstance(pipeline.store, LocalStore) and pipeline.store.counts_on_read
+    assert isinstance(pipeline.store, LocalStore) and pipeline.store.fills_tokens
     headers: list[dict[str, str]] = []
     post = poster(kvwarm)
 
@@ -159,40 +162,24 @@ async def test_the_memory_store_counts_what_is_read_and_exactly(make_proxy: Prox
     (info,) = store.sessions()
     path = store.path(info.leaf)
     assert any(n.tokens == LATER for n in path)
+    persisted = [await tokens_in_file(pipeline.store, db, path)] if backend == "sqlite" else []
+    assert all(LATER in tokens for tokens in persisted), "stored uncounted"
     detail = orjson.loads(await get(kvwarm, f"/kvwarm/sessions/{info.leaf.hex()}"))
     assert [e["tokens"] for e in detail["elements"]] == [COUNTER.count_body(n.body) for n in path]
     assert [n.tokens for n in store.path(info.leaf)] == [COUNTER.count_body(n.body) for n in path], "kept once counted"
     back = transcript_md.parse(await get(kvwarm, f"/kvwarm/sessions/{info.leaf.hex()}.md"))
     assert [n.tokens for n in back.nodes] == [COUNTER.count_body(n.body) for n in path]
+    if backend == "sqlite":
+        persisted.append(await tokens_in_file(pipeline.store, db, path))
+        assert persisted[1] == [COUNTER.count_body(n.body) for n in path], "the fill is persisted"
 
 
-async def test_the_sqlite_store_has_every_node_counted(make_proxy: ProxyFactory, sim: TestServer, tmp_path: Path) -> None:
-    kvwarm = await make_proxy(sim, store__backend=f"sqlite:{tmp_path / 'k.db'}")
-    pipeline = kvwarm.app[PIPELINE]
-    assert isinstance(pipeline.store, LocalStore) and not pipeline.store.counts_on_read
-    planned: list[TurnPlan] = []
-    plan = pipeline.plan
-
-    def recorded(*args: Any) -> Any:
-        planned.append((result := plan(*args))[0])
-        return result
-
-    pipeline.plan = recorded  # type: ignore[method-assign]
-    store = store_of(kvwarm)
-    headers: list[dict[str, str]] = []
-    post = poster(kvwarm)
-
-    async def checked(body: dict[str, Any]) -> dict[str, Any]:
-        response = await post(body)
-        headers.append(response["_headers"])
-        for node in store._nodes.values():  # every node, counted as it is written
-            assert node.tokens == COUNTER.count_body(node.body), node.role
-        return response
-
-    await Agent(post=checked, drift=args_python_dumps).run(5)
-    repaired = [p for p in planned if p.repair.repairs]
-    assert len(repaired) >= 3
-    assert rescued_headers(headers) == [p.repair.rescued_tokens for p in repaired] == [exact_sum(p) for p in repaired]
+async def tokens_in_file(store: LocalStore, db: Path, path: list[Any]) -> list[int]:
+    """The token counts the sqlite file holds for ``path``, once the store has flushed."""
+    await store.flush()
+    with closing(sqlite3.connect(db)) as conn:
+        rows = dict(conn.execute("SELECT key, tokens FROM nodes").fetchall())
+    return [rows[n.key] for n in path]
 
 
 def drifted(body: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
@@ -203,13 +190,9 @@ def drifted(body: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
     return {**body, "messages": [*body["messages"], again, {"role": "tool", "tool_call_id": "call_1", "content": "found"}]}
 
 
-@pytest.mark.parametrize(
-    ("query_bytes", "queued"),
-    [(20, False), (20, True), (2 * INLINE_TOKENIZE_BYTES, False)],
-    ids=["small, on the loop", "small, queued in this iteration", "large, in a thread"],
-)
+@pytest.mark.parametrize("query_bytes", [20, 2 * INLINE_TOKENIZE_BYTES], ids=["small, on the loop", "large, in a thread"])
 async def test_a_repair_planned_over_uncounted_nodes_counts_them_exactly(
-    make_proxy: ProxyFactory, sim: TestServer, query_bytes: int, queued: bool
+    make_proxy: ProxyFactory, sim: TestServer, query_bytes: int
 ) -> None:
     kvwarm = await make_proxy(sim)
     pipeline = kvwarm.app[PIPELINE]
@@ -225,9 +208,7 @@ async def test_a_repair_planned_over_uncounted_nodes_counts_them_exactly(
     pipeline._count = counting  # type: ignore[method-assign]
     root = pipeline.tenants.of({"Authorization": "Bearer sk-alice"})
     body, reply = first_turn("cache key " * (query_bytes // 10))
-    turn = written_uncounted(store, body, reply, root)
-    if queued:
-        pipeline.count_after(turn)  # to be counted at the end of this iteration: not yet
+    written_uncounted(store, body, reply, root)
     view = store.view(root)
     repaired = plan_turn(drifted(body, reply), root, view, pipeline.policy)
     assert repaired.repair.repairs and uncounted_in(repaired), "planned over uncounted nodes"
