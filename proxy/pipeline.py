@@ -15,9 +15,10 @@ bytes), the relay, and the turn's write to the store. After it (at the end of th
 loop's iteration, in batches with every request answered meanwhile): the metrics and the log
 line (:class:`~proxy.report.Reporter`), and the body's layout for the next turn: a
 conversation re-sent byte for byte is parsed and identified only past what it shares with its
-previous body (:mod:`proxy.core.prefix`). Token counts (tiktoken) are made when they are read
-(a repair's rescued tokens, a session's view) with a local store; a shared store has small
-nodes counted inline; a large node is counted in a worker thread before the write.
+previous body (:mod:`proxy.core.prefix`). Token counts (tiktoken, 60-170 µs per KiB) are made
+when they are read (a repair's rescued tokens, a session's view) with a local store; a shared
+store has a turn's nodes counted before the write (small ones inline, large ones in a worker
+thread).
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ from .wire.responses import ResponsesWire
 log = logging.getLogger(__name__)
 
 INLINE_TOKENIZE_BYTES = 4096
-"""Node bodies up to this many bytes in all are tokenized on the event loop (~0.1 ms): when read,
-with a store that fills counts in later, else before the write; larger ones in a worker thread."""
+"""Node bodies up to this many bytes in all are tokenized on the event loop (0.3-0.7 ms); larger
+ones in a worker thread."""
 LATER = -2
 """The token count of a node written uncounted, filled in when read
 (:attr:`~proxy.store.local.LocalStore.fills_tokens`)."""
@@ -102,7 +103,7 @@ class Pipeline:
         self._counting: dict[bytes, asyncio.Future[int]] = {}
         """Node key -> its token count being computed in a worker thread by some request."""
         self._fill_later = isinstance(store, LocalStore) and store.fills_tokens
-        """Small nodes are written uncounted and counted when something reads their counts."""
+        """Nodes are written uncounted and counted when something reads their counts."""
         self.router = Router(settings.routing, upstream.senders, metrics)
         """Which replica takes each request; each replica keeps its own traits (:mod:`proxy.traits`)."""
 
@@ -249,7 +250,7 @@ class Pipeline:
             turn = turn_write(
                 plan, answer.reply, usage, answer.cost,
                 model=_model(body), client_gone=answer.client_gone, now=time.time(),
-                count_tokens=_TokenBudget(self.tokens.count_body, INLINE_TOKENIZE_BYTES, later=self._fill_later),
+                count_tokens=_uncounted if self._fill_later else _TokenBudget(self.tokens.count_body, INLINE_TOKENIZE_BYTES),
             )
         if turn is None:
             return
@@ -345,22 +346,25 @@ class Pipeline:
 
 
 class _TokenBudget:
-    """Token counts while the bodies counted stay within ``budget`` bytes in all: on the event
-    loop, or with ``later`` :data:`LATER` (counted when read); -1 beyond (counted in a
-    worker thread before the turn is written)."""
+    """Token counts while the bodies counted stay within ``budget`` bytes in all, on the event
+    loop; -1 beyond (counted in a worker thread before the turn is written)."""
 
-    __slots__ = ("_count", "_later", "_left")
+    __slots__ = ("_count", "_left")
 
-    def __init__(self, count: Callable[[bytes], int], budget: int, *, later: bool) -> None:
+    def __init__(self, count: Callable[[bytes], int], budget: int) -> None:
         self._count = count
         self._left = budget
-        self._later = later
 
     def __call__(self, body: bytes) -> int:
         self._left -= len(body)
         if self._left < 0:
             return -1
-        return LATER if self._later else self._count(body)
+        return self._count(body)
+
+
+def _uncounted(body: bytes) -> int:
+    """The count of a node written to a store that fills counts in when read."""
+    return LATER
 
 
 def _ok(status: int | None) -> bool:

@@ -1,16 +1,19 @@
 """Token counts of a turn's small nodes are made when they are read, not on every turn.
 
 A turn's nodes are written before the response's last byte. With a local store (memory,
-sqlite) small ones are written uncounted (:data:`~proxy.pipeline.LATER`), and their counts
-(tiktoken, CPU work) are made when something reads them: a repair's rescued tokens (before its
-response) or a session's view. Checked here:
+sqlite) they are written uncounted (:data:`~proxy.pipeline.LATER`), and their counts
+(tiktoken, CPU work: a new session's 10 KiB system prompt costs over a millisecond) are made
+when something reads them: a repair's rescued tokens (before its response) or a session's
+view. A shared store (Redis) has them counted before the write. Checked here:
 
 * the store's fill replaces the node everywhere it is indexed, and its byte accounting is what
   a store built with the counted nodes holds;
 * end to end (kvwarm, the reference upstream, agents drifting in two ways, both local stores):
-  no stored count is ever wrong, small nodes nobody read stay uncounted, ``rescued=`` in the
+  no stored count is ever wrong, nodes nobody read stay uncounted (a large one too), ``rescued=`` in the
   header is the exact sum of the counts of the nodes it names, and a session's view (JSON and
   Markdown) has every count, which the store then keeps (sqlite: in its file);
+* with Redis, every node is counted when written (the agent's large system prompt in a worker
+  thread), and ``rescued=`` is exact;
 * a repair planned while the nodes it rescues are uncounted still reports the exact count,
   counted on the event loop when they are small and in a worker thread when they are not, and
   counted once.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+import uuid
 from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
@@ -41,9 +45,11 @@ from proxy.core.record import Reply
 from proxy.pipeline import INLINE_TOKENIZE_BYTES, LATER, Pipeline
 from proxy.store.local import LocalStore
 from proxy.store.memory import MemoryStore
+from proxy.store.redis import RedisStore
 from proxy.tokens import TokenCounter
 from tests.agents import Agent, args_python_dumps, whitespace_stripped
 from tests.conftest import ProxyFactory, poster, store_of
+from tests.store.redis_server import RedisServer
 
 SECRET = b"t" * 32
 ROOT = tenant_root(SECRET, "Bearer sk-alice")
@@ -107,6 +113,19 @@ def rescues_seen(pipeline: Pipeline) -> list[tuple[TurnPlan, TurnPlan]]:
     return seen
 
 
+def plans_seen(pipeline: Pipeline) -> list[TurnPlan]:
+    """Every plan the pipeline makes, in order."""
+    planned: list[TurnPlan] = []
+    plan = pipeline.plan
+
+    def recorded(*args: Any) -> Any:
+        planned.append((result := plan(*args))[0])
+        return result
+
+    pipeline.plan = recorded  # type: ignore[method-assign]
+    return planned
+
+
 def rescued_headers(headers: list[dict[str, str]]) -> list[int]:
     return [int(h["x-kvwarm-prefix"].split("rescued=")[1].split(";")[0]) for h in headers if "rescued=" in h["x-kvwarm-prefix"]]
 
@@ -161,7 +180,7 @@ async def test_a_local_store_counts_what_is_read_and_exactly(
 
     (info,) = store.sessions()
     path = store.path(info.leaf)
-    assert any(n.tokens == LATER for n in path)
+    assert any(n.tokens == LATER and len(n.body) > INLINE_TOKENIZE_BYTES for n in path), "a large node too"
     persisted = [await tokens_in_file(pipeline.store, db, path)] if backend == "sqlite" else []
     assert all(LATER in tokens for tokens in persisted), "stored uncounted"
     detail = orjson.loads(await get(kvwarm, f"/kvwarm/sessions/{info.leaf.hex()}"))
@@ -172,6 +191,40 @@ async def test_a_local_store_counts_what_is_read_and_exactly(
     if backend == "sqlite":
         persisted.append(await tokens_in_file(pipeline.store, db, path))
         assert persisted[1] == [COUNTER.count_body(n.body) for n in path], "the fill is persisted"
+
+
+async def test_a_shared_store_has_every_node_counted_when_written(
+    make_proxy: ProxyFactory, sim: TestServer, redis: RedisServer
+) -> None:
+    kvwarm = await make_proxy(sim, store__backend=redis.url, store__redis_prefix=f"t{uuid.uuid4().hex[:12]}")
+    pipeline = kvwarm.app[PIPELINE]
+    store = pipeline.store
+    assert isinstance(store, RedisStore)
+    planned = plans_seen(pipeline)
+    threads: list[int] = []
+    count = pipeline._count
+
+    def counting(bodies: list[bytes]) -> list[int]:
+        threads.append(threading.get_ident())
+        return count(bodies)
+
+    pipeline._count = counting  # type: ignore[method-assign]
+    headers: list[dict[str, str]] = []
+    post = poster(kvwarm)
+
+    async def checked(body: dict[str, Any]) -> dict[str, Any]:
+        response = await post(body)
+        headers.append(response["_headers"])
+        return response
+
+    await Agent(post=checked, drift=args_python_dumps).run(4)
+    (info,) = await store.sessions()
+    path = await store.path(info.leaf)
+    assert [n.tokens for n in path] == [COUNTER.count_body(n.body) for n in path]
+    assert threads and threading.get_ident() not in threads, "the large system prompt, in a worker thread"
+    repaired = [p for p in planned if p.repair.repairs]
+    assert len(repaired) >= 2
+    assert rescued_headers(headers) == [p.repair.rescued_tokens for p in repaired] == [exact_sum(p) for p in repaired]
 
 
 async def tokens_in_file(store: LocalStore, db: Path, path: list[Any]) -> list[int]:
