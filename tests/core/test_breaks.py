@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.breaks import REASONS, Break, span_of
+from proxy.core.breaks import REASONS, Break, _BodyMemo, _reasoning_scan, span_of
 from proxy.core.policy import Policy
 from tests.core.factories import (
     READ,
@@ -367,3 +367,22 @@ def test_common_prefix_and_suffix_are_exact(shared: str, a: str, b: str, tail: s
     assert _common_prefix(x, y) == _naive_prefix(x, y)
     limit = min(cut, len(x), len(y))
     assert _common_suffix(x, y, limit) == min(limit, _naive_prefix(x[::-1], y[::-1]))
+
+
+_PIECES = [b'{"role":"assistant","content":"x"', b',"reasoning_content":"y"', b',"thinking":1', b'"\\u0041"',
+           b',"thought_signature":"s"', b',"encrypted_content":"e"', b"\\n", b"}", b"reason", b'"think']
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.sampled_from(_PIECES), max_size=6), st.booleans()), min_size=1, max_size=40),
+       st.integers(0, 200))
+def test_the_reasoning_scan_memo_answers_as_the_scan_within_its_budget(calls: list[tuple[list[bytes], bool]], budget: int) -> None:
+    """Bodies equal in content or the very same object, scanned again or not: the memo's answer
+    is the scan's, and the bodies it keeps alive stay within its byte budget."""
+    memo = _BodyMemo(_reasoning_scan, budget)
+    seen: list[bytes] = []
+    for pieces, again in calls:
+        body = seen[len(pieces) % len(seen)] if again and seen else bytes(bytearray(b"".join(pieces)))
+        seen.append(body)
+        assert memo(body) is _reasoning_scan(body)
+        assert memo._bytes == sum(len(b) for b in memo._known) <= budget
