@@ -48,7 +48,7 @@ class LocalStore:
         """The wrapped store (tests and the CLI read it directly)."""
         self._view = _CompleteView(store)
         self.fills_tokens = isinstance(store, MemoryStore) and store.fills_tokens
-        """Small nodes may be written uncounted and their token counts filled in when read
+        """Nodes may be written uncounted and their token counts filled in when read
         (:meth:`fill_tokens`): the memory backend, or one that persists the fill (sqlite)."""
 
     async def open(self) -> None:
