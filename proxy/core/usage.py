@@ -128,22 +128,34 @@ _PROMPT_DETAIL_KEYS = frozenset(("cached_tokens", "audio_tokens"))
 _COMPLETION_DETAIL_KEYS = frozenset(
     ("reasoning_tokens", "audio_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
 )
+_RESPONSES_KEYS = frozenset(
+    ("input_tokens", "output_tokens", "total_tokens", "input_tokens_details", "output_tokens_details")
+)
+_INPUT_DETAIL_KEYS = frozenset(("cached_tokens",))
+_OUTPUT_DETAIL_KEYS = frozenset(("reasoning_tokens",))
 
 
 def _openai_usage(usage: dict[str, Any]) -> Usage | None:
-    """The usage block OpenAI and most OpenAI-compatible servers send (plain counts, only the keys
-    above), read directly; None for anything else, which :func:`_extract` reads. Gives exactly
-    what :func:`_extract` gives for such a block (property-tested)."""
-    if not _OPENAI_KEYS.issuperset(usage):
+    """The usage block OpenAI and most OpenAI-compatible servers send, Chat Completions' or the
+    Responses API's (plain counts, only the keys above), read directly; None for anything else,
+    which :func:`_extract` reads. Gives exactly what :func:`_extract` gives for such a block
+    (property-tested)."""
+    if _OPENAI_KEYS.issuperset(usage):
+        names = ("prompt_tokens", "completion_tokens", "prompt_tokens_details", "completion_tokens_details")
+        keys = (_PROMPT_DETAIL_KEYS, _COMPLETION_DETAIL_KEYS)
+    elif _RESPONSES_KEYS.issuperset(usage):  # input_tokens include the cached ones
+        names = ("input_tokens", "output_tokens", "input_tokens_details", "output_tokens_details")
+        keys = (_INPUT_DETAIL_KEYS, _OUTPUT_DETAIL_KEYS)
+    else:
         return None
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens")
+    prompt = usage.get(names[0])
+    completion = usage.get(names[1])
     if type(prompt) is not int or prompt < 0 or type(completion) is not int or completion < 0:
         return None
-    plain, cached = _plain_detail(usage.get("prompt_tokens_details"), _PROMPT_DETAIL_KEYS, "cached_tokens")
+    plain, cached = _plain_detail(usage.get(names[2]), keys[0], "cached_tokens")
     if not plain:
         return None
-    plain, reasoning = _plain_detail(usage.get("completion_tokens_details"), _COMPLETION_DETAIL_KEYS, "reasoning_tokens")
+    plain, reasoning = _plain_detail(usage.get(names[3]), keys[1], "reasoning_tokens")
     if not plain:
         return None
     return Usage(prompt, completion, cached, None, reasoning, None, "openai")

@@ -12,13 +12,15 @@ one session per target, on uvloop when installed.
 Cases, as an agent sends them: one conversation re-sent every request with its last turn
 changed (so kvwarm matches all but the last message, and records the new turn and the reply
 every time), of ~2 KiB and of ~200 KiB; the same ~2 KiB streamed (time to the first body
-byte); and agent loops (:class:`tests.agents.Agent`: each request re-sends the history plus
-the last reply and tool results, ~10 -> 20 KiB). Measured, every target in rotating order
+byte); agent loops (:class:`tests.agents.Agent`: each request re-sends the history plus
+the last reply and tool results, ~10 -> 20 KiB); and a captured Codex CLI request on the
+Responses API (``/v1/responses``, ~40 KiB, ``store: false``: the whole conversation every
+turn) re-sent with its last turn changed. Measured, every target in rotating order
 within each round (direct, bare, kvwarm / bare, kvwarm, direct / ...):
 
 - latency (added = a target's percentile minus direct's) of each case, one request at a time;
 - throughput (requests/s) with 32 concurrent clients: the ~2 KiB and ~200 KiB conversations,
-  and 32 agent loops;
+  32 agent loops, and the Codex request;
 - each proxy's CPU time per request over every case, from its own process's CPU time in
   ``/proc`` (:func:`tests.bench.measure.process_cpu`): unlike latency on a shared 2-CPU
   machine, it does not depend on when a process happened to be scheduled.
@@ -36,6 +38,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,10 @@ TRANSPORT_ONLY = "bare on kvwarm's transport"
 """The bare pass-through sending on :mod:`proxy.transport`: kvwarm's plumbing without its own work."""
 AGENT_TURNS = 25
 """Turns of one agent session before it starts a new one (throughput)."""
+CHAT = "/chat/completions"
+RESPONSES = "/responses"
+CODEX_REQUEST = REPO / "tests" / "fixtures" / "responses" / "codex_turn2.raw.json"
+"""A request the Codex CLI sent (its second turn: instructions, tools, a call and its output)."""
 
 
 def headers_for(tenant: str) -> dict[str, str]:
@@ -105,6 +112,20 @@ def varying_bodies(messages: list[dict[str, Any]], n: int, *, stream: bool = Fal
     return out
 
 
+def codex_bodies(n: int) -> list[bytes]:
+    """``n`` bodies of the captured Codex CLI request, answered as JSON (``stream: false``): its
+    items re-sent byte for byte, then a user turn that changes every time (as
+    :func:`varying_bodies`)."""
+    body = orjson.loads(CODEX_REQUEST.read_bytes())
+    body["stream"] = False
+    out = []
+    for i in range(n):
+        turn = {"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": f"Turn {i}: look again at case {i % 97} and report what changed."}]}
+        out.append(orjson.dumps({**body, "input": [*body["input"], turn]}))
+    return out
+
+
 def _history(n_messages: int, target_bytes: int, seed: int, system: str = SYSTEM) -> list[dict[str, Any]]:
     """A tool-using conversation without its closing user turn (the cases add their own)."""
     messages = conversation(n_messages, target_bytes, seed=seed, system=system)
@@ -129,8 +150,23 @@ def _echo_message(raw: bytes, n: int) -> dict[str, Any]:
 
 def echo_app() -> web.Application:
     """A minimal OpenAI-compatible upstream: ``/v1/chat/completions`` (JSON, or SSE when the
-    body asks for a stream) with a usage block, and ``/v1/models`` (readiness)."""
+    body asks for a stream) with a usage block, ``/v1/responses`` (JSON: one output message and
+    its usage) and ``/v1/models`` (readiness)."""
     counter = itertools.count()
+
+    async def responses(request: web.Request) -> web.Response:
+        raw = await request.read()
+        n = next(counter)
+        prompt = len(raw) // 4
+        text = f"Done: {len(raw)} bytes read."
+        body = {
+            "id": f"resp_{n}", "object": "response", "created_at": 0, "status": "completed", "model": "kvwarm-sim",
+            "output": [{"type": "message", "id": f"msg_{n}", "status": "completed", "role": "assistant",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": prompt - prompt % 128},
+                      "output_tokens": 8, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + 8},
+        }
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def chat(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -164,6 +200,7 @@ def echo_app() -> web.Application:
 
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     return app
 
@@ -185,7 +222,7 @@ class Target:
 
     @property
     def chat_url(self) -> str:
-        return self.base_url + "/chat/completions"
+        return self.base_url + CHAT
 
     def headers(self, headers: dict[str, str]) -> dict[str, str]:
         if self.authorization is None:
@@ -203,12 +240,12 @@ async def _check(resp: aiohttp.ClientResponse) -> None:
         raise BenchError(f"{resp.url} answered {resp.status}: {text!r}")
 
 
-async def request_latency(target: Target, body: bytes, headers: dict[str, str]) -> float:
+async def request_latency(target: Target, body: bytes, headers: dict[str, str], path: str = CHAT) -> float:
     """Seconds from sending a request to the last byte of its response."""
     target.requests += 1
     headers = target.headers(headers)
     t0 = time.perf_counter()
-    async with target.session.post(target.chat_url, data=body, headers=headers) as resp:
+    async with target.session.post(target.base_url + path, data=body, headers=headers) as resp:
         await _check(resp)
         await resp.read()
     return time.perf_counter() - t0
@@ -294,9 +331,10 @@ async def agent_loops(
     return samples
 
 
-async def throughput(target: Target, bodies: list[bytes], seconds: float, headers: dict[str, str]) -> float:
+async def throughput(target: Target, bodies: list[bytes], seconds: float, headers: dict[str, str], path: str = CHAT) -> float:
     """Requests/s completed by :data:`CONCURRENCY` clients sending ``bodies`` in turn for ``seconds``."""
     headers = target.headers(headers)
+    url = target.base_url + path
     loop = asyncio.get_running_loop()
     stop = loop.time() + seconds
     done = 0
@@ -307,7 +345,7 @@ async def throughput(target: Target, bodies: list[bytes], seconds: float, header
         while loop.time() < stop:
             target.requests += 1
             body = bodies[next(order) % len(bodies)]
-            async with target.session.post(target.chat_url, data=body, headers=headers) as resp:
+            async with target.session.post(url, data=body, headers=headers) as resp:
                 await _check(resp)
                 await resp.read()
             done += 1
@@ -340,7 +378,8 @@ async def agent_throughput(target: Target, seconds: float, headers: dict[str, st
 
 
 async def throughput_rounds(
-    targets: list[Target], bodies: list[bytes] | None, plan: Plan, tenant: str, warm: Callable[[], None] = lambda: None
+    targets: list[Target], bodies: list[bytes] | None, plan: Plan, tenant: str, warm: Callable[[], None] = lambda: None,
+    path: str = CHAT,
 ) -> dict[str, list[float]]:
     """Rounds of :func:`throughput` (or, without bodies, of :func:`agent_throughput`), targets in
     rotating order, after a short warm-up of each (then ``warm()``)."""
@@ -349,7 +388,7 @@ async def throughput_rounds(
     async def one(target: Target, seconds: float, label: str) -> float:
         if bodies is None:
             return await agent_throughput(target, seconds, headers, label)
-        return await throughput(target, bodies, seconds, headers)
+        return await throughput(target, bodies, seconds, headers, path)
 
     for target in targets:
         await one(target, 0.3, "warm-up")
@@ -404,8 +443,10 @@ async def _measure(urls: dict[str, Endpoint], plan: Plan, log: Callable[[str], N
         small = varying_bodies(short, distinct)
         stream = varying_bodies(short, distinct, stream=True)
         large = varying_bodies(long, plan.large + plan.warmup)
+        codex = codex_bodies(plan.small + plan.warmup)
         results.body_sizes = {
             "small": f"{len(small[0]) / 1024:.1f} KiB", "large": f"{len(large[0]) / 1024:.0f} KiB",
+            "codex": f"{len(codex[0]) / 1024:.0f} KiB",
         }
 
         Run = Callable[[Callable[[], None]], Awaitable[dict[str, list[float]]]]
@@ -421,10 +462,13 @@ async def _measure(urls: dict[str, Endpoint], plan: Plan, log: Callable[[str], N
         await scenario("large", lambda warm: sequential(targets, request_latency, large, plan.large, plan.warmup // 3 + 2, "large", warm), results.latency)
         await scenario("ttfb", lambda warm: sequential(targets, first_byte, stream, plan.stream, plan.warmup, "stream", warm), results.latency)
         await scenario("agent", lambda warm: agent_loops(targets, plan.agent_runs, plan.agent_turns, warm), results.latency)
+        codex_latency = partial(request_latency, path=RESPONSES)
+        await scenario("codex", lambda warm: sequential(targets, codex_latency, codex, plan.small, plan.warmup, "codex", warm), results.latency)
         log(f"throughput, concurrency {CONCURRENCY}")
         await scenario("small", lambda warm: throughput_rounds(targets, small, plan, "tput-small", warm), results.throughput)
         await scenario("large", lambda warm: throughput_rounds(targets, large, plan, "tput-large", warm), results.throughput)
         await scenario("agent", lambda warm: throughput_rounds(targets, None, plan, "tput-agent", warm), results.throughput)
+        await scenario("codex", lambda warm: throughput_rounds(targets, codex, plan, "tput-codex", warm, RESPONSES), results.throughput)
     finally:
         for session in sessions:
             await session.close()
@@ -543,6 +587,7 @@ def _section(results: Results, names: list[str], plan: Plan, peer_note: str | No
         "large": f"{sizes['large']} conversation, last turn changed",
         "ttfb": f"streaming, time to first byte, {sizes['small']}",
         "agent": "agent loop (growing conversation, ~10→20 KiB)",
+        "codex": f"Responses API, a Codex CLI request ({sizes['codex']}), last turn changed",
     }
     columns = ["scenario", *names, "kvwarm / direct", "kvwarm added ÷ bare added", f"aim ≤{ADDED_AIM:g}x"]
     columns += [f"{o} added ÷ bare added" for o in others]
@@ -563,7 +608,7 @@ def _section(results: Results, names: list[str], plan: Plan, peer_note: str | No
                 *(_added_ratio(added[o], added["bare"])[0] for o in others),
             )
     table.notes.append(
-        f"Samples per target: {plan.small} (2 KiB), {plan.large} (200 KiB), {plan.stream} (stream), "
+        f"Samples per target: {plan.small} (2 KiB and Codex), {plan.large} (200 KiB), {plan.stream} (stream), "
         f"{plan.agent_runs}×{plan.agent_turns} agent turns, after warm-up; targets interleaved in rotating order. "
         "Added latency = the target's percentile minus direct's; below 50 µs it is noise and no ratio is taken."
     )

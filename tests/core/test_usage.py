@@ -459,6 +459,15 @@ _openai_like = st.fixed_dictionaries(
     },
 )
 """OpenAI's block, its counts mostly plain; the other shapes' keys come as ``noise``."""
+_responses_like = st.fixed_dictionaries(
+    {"input_tokens": _plain_count, "output_tokens": _plain_count},
+    optional={
+        "total_tokens": _plain_count,
+        "input_tokens_details": st.one_of(_block(["cached_tokens", "cache_write_tokens"], _plain_count), st.none(), _count_value),
+        "output_tokens_details": st.one_of(_block(["reasoning_tokens", "audio_tokens"], _plain_count), st.none()),
+    },
+)
+"""The Responses API's block, the same way."""
 _noise = st.one_of(
     st.just({}),
     _block(["input_tokens", "cost", "is_byok", "cache_read_input_tokens", "prompt_cache_hit_tokens"], _count_value),
@@ -474,8 +483,10 @@ _noise = st.one_of(
 
 
 
+@example(usage={"input_tokens": 5, "output_tokens": 2, "input_tokens_details": {}}, noise={}, extra={})
+@example(usage={"input_tokens": 5, "output_tokens": 2, "input_tokens_details": {"cached_tokens": 4}}, noise={"cache_read_input_tokens": 1}, extra={})
 @given(
-    usage=_openai_like,
+    usage=st.one_of(_openai_like, _responses_like),
     noise=_noise,
     extra=st.sampled_from([{}, {}, {"timings": {"cache_n": 5, "prompt_n": 2}}, {"openhuman": {"usage": {"input_tokens": 9}}}]),
 )
@@ -494,7 +505,9 @@ def test_the_openai_fast_path_is_taken_for_the_openai_shapes() -> None:
     """It must be able to fail: the fast path reads OpenAI's documented blocks itself."""
     from proxy.core.usage import _openai_usage
 
-    for body in (OPENAI_BODY, OPENAI_USAGE_CHUNK):
+    responses = {"usage": {"input_tokens": 3000, "input_tokens_details": {"cached_tokens": 2048}, "output_tokens": 100,
+                           "output_tokens_details": {"reasoning_tokens": 40}, "total_tokens": 3100}}
+    for body in (OPENAI_BODY, OPENAI_USAGE_CHUNK, responses):
         fast = _openai_usage(body["usage"])
         assert fast is not None and fast == extract_usage(body)
     assert _openai_usage({"prompt_tokens": 1, "completion_tokens": 2, "cost": 0.1}) is None
