@@ -68,11 +68,14 @@ def extract_usage(obj: Mapping[str, Any]) -> Usage | None:
     no billed cost, no timings).
     """
     if type(obj) is dict:
-        usage_block = obj.get("usage")
-        if type(usage_block) is dict and "openhuman" not in obj and "timings" not in obj:
-            fast = _openai_usage(usage_block)
-            if fast is not None:
-                return fast
+        if "openhuman" not in obj and "timings" not in obj:
+            usage_block = obj.get("usage")
+            if type(usage_block) is dict:
+                fast = _openai_usage(usage_block)
+                if fast is not None:
+                    return fast
+            elif usage_block is None:
+                return None  # a stream's content chunk: nothing any shape could read
     elif not isinstance(obj, Mapping):
         return None
     return _extract(obj)

@@ -511,3 +511,17 @@ def test_the_openai_fast_path_is_taken_for_the_openai_shapes() -> None:
         fast = _openai_usage(body["usage"])
         assert fast is not None and fast == extract_usage(body)
     assert _openai_usage({"prompt_tokens": 1, "completion_tokens": 2, "cost": 0.1}) is None
+
+
+@settings(max_examples=300, deadline=None)
+@example(obj={"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "Hi"}}]})
+@example(obj={"choices": [], "usage": None, "timings": {"cache_n": 3, "prompt_n": 1}})
+@given(obj=_json)
+def test_every_shortcut_reads_what_the_general_path_reads(obj: Any) -> None:
+    """A stream's content chunk (no usage at all) and the plain blocks are answered without the
+    reader of every shape: the same answer as that reader, for any object."""
+    from proxy.core.usage import _extract
+
+    for candidate in (obj, {"choices": [], "usage": obj}, {"choices": [], "usage": None, "x": obj}):
+        if isinstance(candidate, dict):
+            assert extract_usage(candidate) == _extract(candidate)
