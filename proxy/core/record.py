@@ -88,7 +88,7 @@ class ReplyAssembler:
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         """Take one parsed chunk; chunks without a choice 0 (e.g. usage-only) only set the model."""
-        if not isinstance(chunk, Mapping):
+        if type(chunk) is not dict and not isinstance(chunk, Mapping):  # one check per token
             return
         if self._model is None:
             self._model = _str(chunk.get("model")) or None
@@ -99,7 +99,7 @@ class ReplyAssembler:
         if isinstance(finish, str) and finish:
             self._finish = finish
         delta = choice.get("delta")
-        if not isinstance(delta, Mapping):
+        if type(delta) is not dict and not isinstance(delta, Mapping):
             return
         content = delta.get("content")
         if isinstance(content, str):

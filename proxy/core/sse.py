@@ -28,7 +28,8 @@ never by a per-byte Python loop.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+from .values import value
 
 __all__ = ["SSEDecoder", "SSEEvent"]
 
@@ -42,7 +43,7 @@ _BOUNDARY = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 _RESCAN = 3
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class SSEEvent:
     """One event of a stream, with the exact bytes it was made of."""
 
@@ -76,6 +77,10 @@ class SSEDecoder:
         """Add ``chunk`` and return the events it completed; partial bytes are kept."""
         if not chunk:
             return []
+        if not self._buf and not self._first and not self._cr:
+            one = _one_event(chunk)  # a live stream's chunk: one whole event, one per token
+            if one is not None:
+                return [one]
         buf = self._buf
         buf += chunk
         if not self._cr and b"\r" in chunk:
@@ -150,6 +155,32 @@ class SSEDecoder:
             if body.startswith(_BOM):
                 body = body[len(_BOM) :]
         return _parse(raw, body)
+
+
+def _one_event(chunk: bytes) -> SSEEvent | None:
+    """``chunk`` as one event when it is exactly ``data: ...`` or ``event: ...`` then ``data:
+    ...``, LF-terminated, then a blank line (what :func:`_parse` reads from it); else None."""
+    end = len(chunk) - 2
+    if end < 5 or chunk[end:] != b"\n\n" or b"\r" in chunk:
+        return None
+    first = chunk.find(b"\n")
+    event: str | None = None
+    if first == end:  # one line
+        line = chunk[:end]
+    elif chunk.startswith(b"event:") and chunk.find(b"\n", first + 1) == end:
+        name = chunk[6:first]
+        if name[:1] == b" ":
+            name = name[1:]
+        event = name.decode("utf-8", "replace") if name else None
+        line = chunk[first + 1 : end]
+    else:
+        return None
+    if not line.startswith(b"data:"):
+        return None
+    value = line[5:]
+    if value[:1] == b" ":
+        value = value[1:]
+    return SSEEvent(chunk, value.decode("utf-8", "replace"), event)
 
 
 def _parse(raw: bytes, body: bytes) -> SSEEvent:

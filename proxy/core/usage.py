@@ -275,7 +275,7 @@ def is_usage_only_chunk(obj: Mapping[str, Any]) -> bool:
     This is the extra chunk an upstream sends for ``stream_options.include_usage``;
     kvwarm removes it from the client's stream when kvwarm added that option.
     """
-    if not isinstance(obj, Mapping):
+    if type(obj) is not dict and not isinstance(obj, Mapping):
         return False
     choices = obj.get("choices")
     if not isinstance(choices, list) or choices:

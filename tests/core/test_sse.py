@@ -218,3 +218,27 @@ def test_arbitrary_bytes_round_trip(stream: bytes, cuts: list[int]) -> None:
     chunked = decode(split_at(stream, cuts))
     assert b"".join(e.raw for e in chunked) == stream
     assert [e.raw for e in chunked] == [e.raw for e in decode([stream])]
+
+
+@settings(max_examples=400, deadline=None)
+@given(stream=streams())
+def test_a_live_stream_one_event_per_chunk_decodes_as_one_shot(stream: bytes) -> None:
+    """Live streams arrive an event per chunk (a token each): those chunks take the decoder's
+    one-event path, and give what one-shot decoding and the plain reading of the rules give,
+    every field included."""
+    one_shot = decode([stream])
+    per_event = decode([e.raw for e in one_shot])
+    assert per_event == one_shot
+    assert triples(per_event) == reference(stream)
+
+
+def test_the_one_event_path_is_taken_for_live_chunks() -> None:
+    """It must be able to fail: typical chunks are read by the one-event path, exactly."""
+    from proxy.core import sse
+
+    chunks = [b'data: {"a":1}\n\n', b"event: response.output_text.delta\ndata: {}\n\n", b"event:\ndata:x\n\n", b"data:\n\n"]
+    for chunk in chunks:
+        one = sse._one_event(chunk)
+        assert one is not None and one == sse._parse(chunk, chunk)
+    for chunk in (b"id: 1\ndata: x\n\n", b"data: a\ndata: b\n\n", b"data: x\r\n\r\n", b": ping\n\n", b"data: x\n"):
+        assert sse._one_event(chunk) is None
