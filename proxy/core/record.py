@@ -88,7 +88,26 @@ class ReplyAssembler:
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         """Take one parsed chunk; chunks without a choice 0 (e.g. usage-only) only set the model."""
-        if type(chunk) is not dict and not isinstance(chunk, Mapping):  # one check per token
+        if type(chunk) is dict and self._model is not None:
+            # A model's token: one choice whose delta holds only text (what :meth:`_feed` reads
+            # from it, in a few dict reads; once per token of every stream).
+            choices = chunk.get("choices")
+            if type(choices) is list and len(choices) == 1:
+                choice = choices[0]
+                index = choice.get("index", 0) if type(choice) is dict else None
+                if index == 0 and type(index) is int and choice.get("finish_reason") is None:
+                    delta = choice.get("delta")
+                    if type(delta) is dict and len(delta) == 1:
+                        content = delta.get("content")
+                        if type(content) is str:
+                            if self._content is None:
+                                self._content = []
+                            self._content.append(content)
+                            return
+        self._feed(chunk)
+
+    def _feed(self, chunk: Mapping[str, Any]) -> None:
+        if type(chunk) is not dict and not isinstance(chunk, Mapping):
             return
         if self._model is None:
             self._model = _str(chunk.get("model")) or None

@@ -12,7 +12,8 @@ one session per target, on uvloop when installed.
 Cases, as an agent sends them: one conversation re-sent every request with its last turn
 changed (so kvwarm matches all but the last message, and records the new turn and the reply
 every time), of ~2 KiB and of ~200 KiB; the same ~2 KiB streamed (time to the first body
-byte); agent loops (:class:`tests.agents.Agent`: each request re-sends the history plus
+byte); the same ~2 KiB answered by a stream of 200 tokens, one chunk each, as a model
+streams them (to its last byte); agent loops (:class:`tests.agents.Agent`: each request re-sends the history plus
 the last reply and tool results, ~10 -> 20 KiB); and a captured Codex CLI request on the
 Responses API (``/v1/responses``, ~40 KiB, ``store: false``: the whole conversation every
 turn) re-sent with its last turn changed. Measured, every target in rotating order
@@ -20,7 +21,7 @@ within each round (direct, bare, kvwarm / bare, kvwarm, direct / ...):
 
 - latency (added = a target's percentile minus direct's) of each case, one request at a time;
 - throughput (requests/s) with 32 concurrent clients: the ~2 KiB and ~200 KiB conversations,
-  32 agent loops, and the Codex request;
+  the 200-token streams, 32 agent loops, and the Codex request;
 - each proxy's CPU time per request over every case, from its own process's CPU time in
   ``/proc`` (:func:`tests.bench.measure.process_cpu`): unlike latency on a shared 2-CPU
   machine, it does not depend on when a process happened to be scheduled.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -67,6 +69,8 @@ TRANSPORT_ONLY = "bare on kvwarm's transport"
 """The bare pass-through sending on :mod:`proxy.transport`: kvwarm's plumbing without its own work."""
 AGENT_TURNS = 25
 """Turns of one agent session before it starts a new one (throughput)."""
+STREAM_TOKENS = 200
+"""Tokens of the long streamed answers: one SSE chunk each, as a model streams them."""
 CHAT = "/chat/completions"
 RESPONSES = "/responses"
 CODEX_REQUEST = REPO / "tests" / "fixtures" / "responses" / "codex_turn2.raw.json"
@@ -102,13 +106,17 @@ class Plan:
 # -- the cases ----------------------------------------------------------------------------------
 
 
-def varying_bodies(messages: list[dict[str, Any]], n: int, *, stream: bool = False) -> list[bytes]:
+def varying_bodies(messages: list[dict[str, Any]], n: int, *, stream: bool = False, max_tokens: int | None = None) -> list[bytes]:
     """``n`` request bodies: ``messages`` re-sent byte for byte, then a last user turn that
-    changes every time (a retry, an edited prompt, a new task under the same history)."""
+    changes every time (a retry, an edited prompt, a new task under the same history).
+    ``max_tokens``: the echo upstream streams that many tokens, a chunk each."""
     out = []
     for i in range(n):
         turn = {"role": "user", "content": f"Turn {i}: look again at case {i % 97} and report what changed."}
-        out.append(orjson.dumps(chat_body([*messages, turn], stream=stream)))
+        body = chat_body([*messages, turn], stream=stream)
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        out.append(orjson.dumps(body))
     return out
 
 
@@ -135,6 +143,7 @@ def _history(n_messages: int, target_bytes: int, seed: int, system: str = SYSTEM
 # -- the echo upstream ----------------------------------------------------------------------------
 
 _LAST_ROLE = b'"role":"'
+_MAX_TOKENS = re.compile(rb'"max_tokens":(\d+)')
 
 
 def _echo_message(raw: bytes, n: int) -> dict[str, Any]:
@@ -182,9 +191,13 @@ def echo_app() -> web.Application:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
         base = {"id": f"chatcmpl-{n}", "object": "chat.completion.chunk", "created": 0, "model": "kvwarm-sim"}
-        delta = {k: v for k, v in message.items() if v is not None}
+        tokens = _MAX_TOKENS.search(raw)
+        if tokens is not None:  # a model's stream: a chunk per token, each written on its own
+            deltas = [{"role": "assistant", "content": ""}, *({"content": f" tok{i}"} for i in range(int(tokens[1])))]
+        else:
+            deltas = [{k: v for k, v in message.items() if v is not None}]
         chunks = [
-            {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+            *({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]} for delta in deltas),
             {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
         ]
         if b'"include_usage":true' in raw:
@@ -265,6 +278,18 @@ async def first_byte(target: Target, body: bytes, headers: dict[str, str]) -> fl
         async for _ in resp.content.iter_any():
             pass
     return elapsed
+
+
+async def last_byte(target: Target, body: bytes, headers: dict[str, str]) -> float:
+    """Seconds from sending a streaming request to the last byte of its body, read as it comes."""
+    target.requests += 1
+    headers = target.headers(headers)
+    t0 = time.perf_counter()
+    async with target.session.post(target.chat_url, data=body, headers=headers) as resp:
+        await _check(resp)
+        async for _ in resp.content.iter_any():
+            pass
+    return time.perf_counter() - t0
 
 
 async def sequential(
@@ -442,6 +467,7 @@ async def _measure(urls: dict[str, Endpoint], plan: Plan, log: Callable[[str], N
         distinct = max(plan.small, plan.stream) + plan.warmup
         small = varying_bodies(short, distinct)
         stream = varying_bodies(short, distinct, stream=True)
+        tokens = varying_bodies(short, distinct, stream=True, max_tokens=STREAM_TOKENS)
         large = varying_bodies(long, plan.large + plan.warmup)
         codex = codex_bodies(plan.small + plan.warmup)
         results.body_sizes = {
@@ -461,12 +487,14 @@ async def _measure(urls: dict[str, Endpoint], plan: Plan, log: Callable[[str], N
         await scenario("small", lambda warm: sequential(targets, request_latency, small, plan.small, plan.warmup, "small", warm), results.latency)
         await scenario("large", lambda warm: sequential(targets, request_latency, large, plan.large, plan.warmup // 3 + 2, "large", warm), results.latency)
         await scenario("ttfb", lambda warm: sequential(targets, first_byte, stream, plan.stream, plan.warmup, "stream", warm), results.latency)
+        await scenario("tokens", lambda warm: sequential(targets, last_byte, tokens, plan.stream, plan.warmup, "tokens", warm), results.latency)
         await scenario("agent", lambda warm: agent_loops(targets, plan.agent_runs, plan.agent_turns, warm), results.latency)
         codex_latency = partial(request_latency, path=RESPONSES)
         await scenario("codex", lambda warm: sequential(targets, codex_latency, codex, plan.small, plan.warmup, "codex", warm), results.latency)
         log(f"throughput, concurrency {CONCURRENCY}")
         await scenario("small", lambda warm: throughput_rounds(targets, small, plan, "tput-small", warm), results.throughput)
         await scenario("large", lambda warm: throughput_rounds(targets, large, plan, "tput-large", warm), results.throughput)
+        await scenario("tokens", lambda warm: throughput_rounds(targets, tokens, plan, "tput-tokens", warm), results.throughput)
         await scenario("agent", lambda warm: throughput_rounds(targets, None, plan, "tput-agent", warm), results.throughput)
         await scenario("codex", lambda warm: throughput_rounds(targets, codex, plan, "tput-codex", warm, RESPONSES), results.throughput)
     finally:
@@ -586,6 +614,7 @@ def _section(results: Results, names: list[str], plan: Plan, peer_note: str | No
         "small": f"{sizes['small']} conversation, last turn changed",
         "large": f"{sizes['large']} conversation, last turn changed",
         "ttfb": f"streaming, time to first byte, {sizes['small']}",
+        "tokens": f"streaming {STREAM_TOKENS} tokens, a chunk each, to the last byte, {sizes['small']}",
         "agent": "agent loop (growing conversation, ~10→20 KiB)",
         "codex": f"Responses API, a Codex CLI request ({sizes['codex']}), last turn changed",
     }
@@ -608,7 +637,7 @@ def _section(results: Results, names: list[str], plan: Plan, peer_note: str | No
                 *(_added_ratio(added[o], added["bare"])[0] for o in others),
             )
     table.notes.append(
-        f"Samples per target: {plan.small} (2 KiB and Codex), {plan.large} (200 KiB), {plan.stream} (stream), "
+        f"Samples per target: {plan.small} (2 KiB and Codex), {plan.large} (200 KiB), {plan.stream} (each stream case), "
         f"{plan.agent_runs}×{plan.agent_turns} agent turns, after warm-up; targets interleaved in rotating order. "
         "Added latency = the target's percentile minus direct's; below 50 µs it is noise and no ratio is taken."
     )

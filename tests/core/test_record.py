@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.core.record import Reply, ReplyAssembler, reply_from_body
@@ -400,3 +400,51 @@ def test_assembly_is_exact_for_any_fragmentation_and_any_transport_split(
     assert reply.message["content"] == content
     calls = reply.message.get("tool_calls", [])
     assert [c["function"]["arguments"] for c in calls] == arguments
+
+
+_odd = st.sampled_from([None, 0, 1, False, True, 0.0, "", "stop", "x", [], {}])
+_delta = st.one_of(
+    st.fixed_dictionaries({"content": st.one_of(_piece_text, _odd)}),
+    st.dictionaries(st.sampled_from(["content", "role", "reasoning_content", "reasoning", "refusal"]), st.one_of(_piece_text, _odd), max_size=3),
+    st.fixed_dictionaries({"tool_calls": st.just([{"index": 0, "id": "c", "function": {"name": "f", "arguments": "{"}}])}),
+    _odd,
+)
+_choice = st.one_of(
+    st.fixed_dictionaries({"index": st.just(0), "delta": _delta}),
+    st.fixed_dictionaries({"delta": _delta}, optional={"index": _odd, "finish_reason": _odd}),
+    _odd,
+)
+_chunk = st.fixed_dictionaries(
+    {"choices": st.one_of(st.lists(_choice, max_size=2), _odd)}, optional={"model": st.sampled_from(["m", "m", "m", "", None, 3])}
+)
+_FIRST = {"model": "m", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+
+
+@settings(max_examples=500, deadline=None)
+@example(chunks=[_FIRST, {"choices": [{"index": False, "delta": {"content": "x"}}]}])
+@example(chunks=[_FIRST, {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}]}])
+@example(chunks=[_FIRST, {"choices": [{"index": 1, "delta": {"content": "x"}}]}])
+@example(chunks=[_FIRST, {"choices": [{"index": 0, "delta": {"content": "x", "reasoning_content": "y"}}]}])
+@given(chunks=st.lists(_chunk, max_size=8))
+def test_a_tokens_short_path_assembles_what_the_general_path_does(chunks: list[dict[str, Any]]) -> None:
+    """A model's token (one choice, a text-only delta) is read in a few dict reads: any chunks,
+    odd ones included, assemble to the reply the general reading gives."""
+    fast, general = ReplyAssembler(), ReplyAssembler()
+    for c in chunks:
+        fast.feed(c)
+        general._feed(c)
+    assert fast.result() == general.result()
+
+
+def test_the_tokens_short_path_is_taken() -> None:
+    """It must be able to fail: a token after the first chunk never reaches the general reading."""
+    class TokensOnly(ReplyAssembler):
+        __slots__ = ()
+
+        def _feed(self, chunk: Any) -> None:
+            raise AssertionError(f"the general reading got {chunk}")
+
+    assembler = TokensOnly()
+    ReplyAssembler._feed(assembler, {"model": "m", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    assembler.feed({"model": "m", "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]})
+    assert assembler._content == ["", "Hi"]
