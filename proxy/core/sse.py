@@ -177,10 +177,10 @@ def _one_event(chunk: bytes) -> SSEEvent | None:
         return None
     if not line.startswith(b"data:"):
         return None
-    value = line[5:]
-    if value[:1] == b" ":
-        value = value[1:]
-    return SSEEvent(chunk, value.decode("utf-8", "replace"), event)
+    data = line[5:]
+    if data[:1] == b" ":
+        data = data[1:]
+    return SSEEvent(chunk, data.decode("utf-8", "replace"), event)
 
 
 def _parse(raw: bytes, body: bytes) -> SSEEvent:
