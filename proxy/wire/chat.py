@@ -176,9 +176,7 @@ class ChatObserver:
         return reply
 
     def _read(self, obj: Mapping[str, Any]) -> None:
-        usage = extract_usage(obj)
-        if usage is not None:  # a stream's content chunk carries none
-            self.usage = merge_usage(self.usage, usage)
+        self.usage = merge_usage(self.usage, extract_usage(obj))
         if "timings" in obj:
             self._traits.reports_timings = True
 

@@ -280,18 +280,6 @@ async def first_byte(target: Target, body: bytes, headers: dict[str, str]) -> fl
     return elapsed
 
 
-async def last_byte(target: Target, body: bytes, headers: dict[str, str]) -> float:
-    """Seconds from sending a streaming request to the last byte of its body, read as it comes."""
-    target.requests += 1
-    headers = target.headers(headers)
-    t0 = time.perf_counter()
-    async with target.session.post(target.chat_url, data=body, headers=headers) as resp:
-        await _check(resp)
-        async for _ in resp.content.iter_any():
-            pass
-    return time.perf_counter() - t0
-
-
 async def sequential(
     targets: list[Target],
     fn: Callable[[Target, bytes, dict[str, str]], Awaitable[float]],
@@ -487,7 +475,7 @@ async def _measure(urls: dict[str, Endpoint], plan: Plan, log: Callable[[str], N
         await scenario("small", lambda warm: sequential(targets, request_latency, small, plan.small, plan.warmup, "small", warm), results.latency)
         await scenario("large", lambda warm: sequential(targets, request_latency, large, plan.large, plan.warmup // 3 + 2, "large", warm), results.latency)
         await scenario("ttfb", lambda warm: sequential(targets, first_byte, stream, plan.stream, plan.warmup, "stream", warm), results.latency)
-        await scenario("tokens", lambda warm: sequential(targets, last_byte, tokens, plan.stream, plan.warmup, "tokens", warm), results.latency)
+        await scenario("tokens", lambda warm: sequential(targets, request_latency, tokens, plan.stream, plan.warmup, "tokens", warm), results.latency)
         await scenario("agent", lambda warm: agent_loops(targets, plan.agent_runs, plan.agent_turns, warm), results.latency)
         codex_latency = partial(request_latency, path=RESPONSES)
         await scenario("codex", lambda warm: sequential(targets, codex_latency, codex, plan.small, plan.warmup, "codex", warm), results.latency)

@@ -126,6 +126,19 @@ def plans_seen(pipeline: Pipeline) -> list[TurnPlan]:
     return planned
 
 
+def counting_threads(pipeline: Pipeline) -> list[int]:
+    """The thread of every batch of token counts the pipeline makes, in order."""
+    threads: list[int] = []
+    count = pipeline._count
+
+    def counting(bodies: list[bytes]) -> list[int]:
+        threads.append(threading.get_ident())
+        return count(bodies)
+
+    pipeline._count = counting  # type: ignore[method-assign]
+    return threads
+
+
 def rescued_headers(headers: list[dict[str, str]]) -> list[int]:
     return [int(h["x-kvwarm-prefix"].split("rescued=")[1].split(";")[0]) for h in headers if "rescued=" in h["x-kvwarm-prefix"]]
 
@@ -201,14 +214,7 @@ async def test_a_shared_store_has_every_node_counted_when_written(
     store = pipeline.store
     assert isinstance(store, RedisStore)
     planned = plans_seen(pipeline)
-    threads: list[int] = []
-    count = pipeline._count
-
-    def counting(bodies: list[bytes]) -> list[int]:
-        threads.append(threading.get_ident())
-        return count(bodies)
-
-    pipeline._count = counting  # type: ignore[method-assign]
+    threads = counting_threads(pipeline)
     headers: list[dict[str, str]] = []
     post = poster(kvwarm)
 
@@ -251,14 +257,7 @@ async def test_a_repair_planned_over_uncounted_nodes_counts_them_exactly(
     pipeline = kvwarm.app[PIPELINE]
     store = pipeline.store
     assert isinstance(store, LocalStore) and store.fills_tokens
-    threads: list[int] = []
-    count = pipeline._count
-
-    def counting(bodies: list[bytes]) -> list[int]:
-        threads.append(threading.get_ident())
-        return count(bodies)
-
-    pipeline._count = counting  # type: ignore[method-assign]
+    threads = counting_threads(pipeline)
     root = pipeline.tenants.of({"Authorization": "Bearer sk-alice"})
     body, reply = first_turn("cache key " * (query_bytes // 10))
     written_uncounted(store, body, reply, root)
