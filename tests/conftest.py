@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -22,6 +23,24 @@ ProxyFactory = Callable[..., Awaitable[TestServer]]
 
 def sim_url(server: TestServer) -> str:
     return str(server.make_url("/v1"))
+
+
+@pytest.fixture
+def closed_port_url() -> Iterator[Callable[[], str]]:
+    """``closed_port_url()``: a loopback URL nothing listens on (connections are refused). Its
+    port stays bound, not listening, until the test ends, so no server the test starts (a
+    kvwarm that would then proxy to itself) can be given it."""
+    held: list[socket.socket] = []
+
+    def make() -> str:
+        s = socket.socket()
+        held.append(s)
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+
+    yield make
+    for s in held:
+        s.close()
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import re
-import socket
 import tomllib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -479,16 +478,11 @@ async def test_break_over_a_line_end_is_served_and_counted(sim: TestServer, make
     assert metric(kvwarm, "kvwarm_prefix_breaks_total", reason="system_changed") == 1
 
 
-def _closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
-
-
-async def test_requests_by_status_class_and_upstream_errors(sim: TestServer, make_proxy: ProxyFactory) -> None:
+async def test_requests_by_status_class_and_upstream_errors(
+    sim: TestServer, make_proxy: ProxyFactory, closed_port_url: Callable[[], str]
+) -> None:
     kvwarm = await make_proxy(sim)
-    dead = await make_proxy(_closed_port_url())
+    dead = await make_proxy(closed_port_url())
     plan: list[tuple[TestServer, bool, str | None]] = [
         (kvwarm, False, None), (kvwarm, True, None), (kvwarm, False, None),
         (kvwarm, False, "status=429"), (kvwarm, True, "status=400"),

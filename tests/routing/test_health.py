@@ -4,8 +4,8 @@ ejects, and an ejected replica comes back through one probe."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -16,16 +16,8 @@ from tests.demo.run import sdk_post
 from tests.routing.conftest import PooledFactory, PoolFactory, router_of, served, session_agent
 
 
-def closed_port_url() -> str:
-    """A loopback URL nothing listens on (connections are refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
-
-
 async def test_a_refused_replica_is_failed_over_and_ejected(
-    make_pool: PoolFactory, make_pooled: PooledFactory, openai_client: Any
+    make_pool: PoolFactory, make_pooled: PooledFactory, openai_client: Any, closed_port_url: Callable[[], str]
 ) -> None:
     (alive,) = await make_pool(1)
     dead = closed_port_url()
@@ -45,7 +37,9 @@ async def test_a_refused_replica_is_failed_over_and_ejected(
     assert 1 <= metric(kvwarm, "kvwarm_routing_decisions_total", kind="failover") <= 6
 
 
-async def test_with_every_replica_down_the_request_fails_once_each_was_tried(make_pooled: PooledFactory) -> None:
+async def test_with_every_replica_down_the_request_fails_once_each_was_tried(
+    make_pooled: PooledFactory, closed_port_url: Callable[[], str]
+) -> None:
     kvwarm = await make_pooled([closed_port_url(), closed_port_url()])
     client = openai.AsyncOpenAI(base_url=str(kvwarm.make_url("/v1")), api_key="sk-x", max_retries=0)
     try:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tests.demo.run import sdk_post
 from tests.routing.conftest import PooledFactory, PoolFactory, router_of, session_agent
-from tests.routing.test_health import closed_port_url
 from tests.web.cdp import Chromium, chromium_binary
 from tests.web.workload import READ_PAGE
 
@@ -15,7 +15,7 @@ OVERFLOW = "document.documentElement.scrollWidth - window.innerWidth"
 
 
 async def test_the_page_lists_each_replica_with_its_health_and_load(
-    make_pool: PoolFactory, make_pooled: PooledFactory, openai_client: Any, tmp_path: Path
+    make_pool: PoolFactory, make_pooled: PooledFactory, openai_client: Any, tmp_path: Path, closed_port_url: Callable[[], str]
 ) -> None:
     chromium_binary()  # skips, saying how to install it, when there is no Chromium
     replicas = await make_pool(2)
