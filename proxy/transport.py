@@ -39,9 +39,8 @@ from yarl import URL
 __all__ = ["ConnectFailed", "Disconnected", "Malformed", "Origin", "Pool", "Response", "Transport"]
 
 HIGH_WATER = 256 * 1024
-"""Decoded bytes buffered for a reader before the socket stops being read."""
-LOW_WATER = 64 * 1024
-"""The socket is read again once the reader has taken the buffer below this."""
+"""Decoded bytes buffered for a reader before the socket stops being read (until the reader
+takes them: each read takes the whole buffer)."""
 IDLE_CONNECTIONS = 64
 """Idle keep-alive connections kept per origin, beyond which they are closed."""
 
@@ -128,7 +127,7 @@ class Response:
     # -- the reader's side ----------------------------------------------------------------------
 
     async def read_chunk(self, within: float) -> bytes:
-        """The next body bytes as they arrive (``b""`` at the end); waits at most ``within``
+        """Every body byte that arrived since the last read (``b""`` at the end); waits at most ``within``
         seconds for them (and never past :attr:`deadline`). Raises :class:`Disconnected`, :class:`Malformed` or :class:`TimeoutError`."""
         while not self._buffer:
             if self._error is not None:
@@ -136,10 +135,14 @@ class Response:
             if self._done:
                 return b""
             await self._wait(within)
-        chunk = self._buffer.popleft()
-        self._buffered -= len(chunk)
+        buffer = self._buffer
+        # Everything that arrived, in one piece: a stream's events come a chunk each, and a
+        # reader that relays them writes once per read, not once per event.
+        chunk = buffer.popleft() if len(buffer) == 1 else b"".join(buffer)
+        buffer.clear()
+        self._buffered = 0
         conn = self._conn
-        if conn is not None and conn.paused and self._buffered < LOW_WATER:
+        if conn is not None and conn.paused:
             conn.resume()
         return chunk
 

@@ -81,11 +81,16 @@ class SSEDecoder:
             one = _one_event(chunk)  # a live stream's chunk: one whole event, one per token
             if one is not None:
                 return [one]
+            events, rest = _whole_events(chunk)  # a reader that fell behind: several of them
+            if not rest:
+                return events
+            chunk = chunk[len(chunk) - rest :]
+        else:
+            events = []
         buf = self._buf
         buf += chunk
         if not self._cr and b"\r" in chunk:
             self._cr = True
-        events: list[SSEEvent] = []
         size = len(buf)
         start = 0
         scan = self._scan
@@ -155,6 +160,23 @@ class SSEDecoder:
             if body.startswith(_BOM):
                 body = body[len(_BOM) :]
         return _parse(raw, body)
+
+
+def _whole_events(chunk: bytes) -> tuple[list[SSEEvent], int]:
+    """The events :func:`_one_event` reads from the start of ``chunk``, one after another,
+    and how many bytes are left (from the first it declines) for the general reading."""
+    events: list[SSEEvent] = []
+    start, size = 0, len(chunk)
+    while start < size:
+        end = chunk.find(b"\n\n", start) + 2
+        if end == 1:
+            break
+        one = _one_event(chunk[start:end])
+        if one is None:
+            break
+        events.append(one)
+        start = end
+    return events, size - start
 
 
 def _one_event(chunk: bytes) -> SSEEvent | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy.core.sse import SSEDecoder, SSEEvent
@@ -230,6 +230,37 @@ def test_a_live_stream_one_event_per_chunk_decodes_as_one_shot(stream: bytes) ->
     per_event = decode([e.raw for e in one_shot])
     assert per_event == one_shot
     assert triples(per_event) == reference(stream)
+
+
+@settings(max_examples=400, deadline=None)
+@given(stream=streams(), groups=st.lists(st.integers(1, 4), max_size=12))
+@example(stream=b"data: 0\n\ndata: 1\n\nid: 2\ndata: 2\n\ndata: 3\n\n", groups=[1, 3])
+def test_a_live_stream_several_events_per_chunk_decodes_as_one_shot(stream: bytes, groups: list[int]) -> None:
+    """A reader that fell behind gets several whole events in one chunk (the transport hands
+    over everything that arrived): the same events, every field included."""
+    one_shot = decode([stream])
+    raws, chunks = [e.raw for e in one_shot], []
+    for size in groups:
+        chunks.append(b"".join(raws[:size]))
+        raws = raws[size:]
+    chunks.append(b"".join(raws))
+    grouped = decode(chunks)
+    assert grouped == one_shot
+    assert triples(grouped) == reference(stream)
+
+
+def test_whole_events_reads_a_chunk_of_live_events_and_leaves_the_rest_from_the_first_it_declines() -> None:
+    """It must be able to fail: a chunk of typical events is read whole, without the general
+    reading; from an event the one-event path declines, the bytes are left to it."""
+    from proxy.core import sse
+
+    typical = [b'data: {"a":1}\n\n', b"event: response.output_text.delta\ndata: {}\n\n", b"data:\n\n"]
+    events, rest = sse._whole_events(b"".join(typical))
+    assert (events, rest) == ([sse._parse(c, c) for c in typical], 0)
+    declined = b": ping\n\n" + typical[0]
+    events, rest = sse._whole_events(typical[0] + typical[1] + declined)
+    assert (events, rest) == ([sse._parse(c, c) for c in typical[:2]], len(declined))
+    assert sse._whole_events(typical[0] + b"data: x") == ([sse._parse(typical[0], typical[0])], len(b"data: x"))
 
 
 def test_the_one_event_path_is_taken_for_live_chunks() -> None:
