@@ -16,7 +16,8 @@ byte); the same ~2 KiB answered by a stream of 200 tokens, one chunk each, as a 
 streams them (to its last byte); agent loops (:class:`tests.agents.Agent`: each request re-sends the history plus
 the last reply and tool results, ~10 -> 20 KiB); and a captured Codex CLI request on the
 Responses API (``/v1/responses``, ~40 KiB, ``store: false``: the whole conversation every
-turn) re-sent with its last turn changed. Measured, every target in rotating order
+turn) re-sent with its last turn changed and streamed as Codex asks (the API's event stream,
+30 events, to its last byte). Measured, every target in rotating order
 within each round (direct, bare, kvwarm / bare, kvwarm, direct / ...):
 
 - latency (added = a target's percentile minus direct's) of each case, one request at a time;
@@ -48,6 +49,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy.sim.events import response_events
 from tests.agents import SYSTEM, Agent
 from tests.bench import peers
 from tests.bench.conversations import SHORT_SYSTEM, chat_body, conversation
@@ -121,11 +123,11 @@ def varying_bodies(messages: list[dict[str, Any]], n: int, *, stream: bool = Fal
 
 
 def codex_bodies(n: int) -> list[bytes]:
-    """``n`` bodies of the captured Codex CLI request, answered as JSON (``stream: false``): its
-    items re-sent byte for byte, then a user turn that changes every time (as
+    """``n`` bodies of the captured Codex CLI request, streamed as Codex asks (``stream: true``):
+    its items re-sent byte for byte, then a user turn that changes every time (as
     :func:`varying_bodies`)."""
     body = orjson.loads(CODEX_REQUEST.read_bytes())
-    body["stream"] = False
+    assert body["stream"] is True
     out = []
     for i in range(n):
         turn = {"type": "message", "role": "user",
@@ -159,15 +161,17 @@ def _echo_message(raw: bytes, n: int) -> dict[str, Any]:
 
 def echo_app() -> web.Application:
     """A minimal OpenAI-compatible upstream: ``/v1/chat/completions`` (JSON, or SSE when the
-    body asks for a stream) with a usage block, ``/v1/responses`` (JSON: one output message and
-    its usage) and ``/v1/models`` (readiness)."""
+    body asks for a stream) with a usage block, ``/v1/responses`` (one output message and its
+    usage: JSON, or when the body asks for a stream the API's event stream, 30 events) and
+    ``/v1/models`` (readiness)."""
     counter = itertools.count()
 
-    async def responses(request: web.Request) -> web.Response:
+    async def responses(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         n = next(counter)
         prompt = len(raw) // 4
-        text = f"Done: {len(raw)} bytes read."
+        streamed = b'"stream":true' in raw
+        text = f"Done: {len(raw)} bytes read." + (" Checked the case again and nothing else changed." * 6 if streamed else "")
         body = {
             "id": f"resp_{n}", "object": "response", "created_at": 0, "status": "completed", "model": "kvwarm-sim",
             "output": [{"type": "message", "id": f"msg_{n}", "status": "completed", "role": "assistant",
@@ -175,7 +179,15 @@ def echo_app() -> web.Application:
             "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": prompt - prompt % 128},
                       "output_tokens": 8, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + 8},
         }
-        return web.Response(body=orjson.dumps(body), content_type="application/json")
+        if not streamed:
+            return web.Response(body=orjson.dumps(body), content_type="application/json")
+        # The Responses API's event stream (the reference upstream's), each event written on its own.
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for event in response_events({**body, "status": "in_progress", "output": [], "usage": None}, body):
+            await out.write(event)
+        await out.write_eof()
+        return out
 
     async def chat(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -604,7 +616,7 @@ def _section(results: Results, names: list[str], plan: Plan, peer_note: str | No
         "ttfb": f"streaming, time to first byte, {sizes['small']}",
         "tokens": f"streaming {STREAM_TOKENS} tokens, a chunk each, to the last byte, {sizes['small']}",
         "agent": "agent loop (growing conversation, ~10→20 KiB)",
-        "codex": f"Responses API, a Codex CLI request ({sizes['codex']}), last turn changed",
+        "codex": f"Responses API, a Codex CLI request ({sizes['codex']}), last turn changed, streamed",
     }
     columns = ["scenario", *names, "kvwarm / direct", "kvwarm added ÷ bare added", f"aim ≤{ADDED_AIM:g}x"]
     columns += [f"{o} added ÷ bare added" for o in others]
