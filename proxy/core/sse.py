@@ -77,11 +77,12 @@ class SSEDecoder:
         """Add ``chunk`` and return the events it completed; partial bytes are kept."""
         if not chunk:
             return []
+        if self._first and not self._buf and chunk[0] != _BOM[0]:
+            self._first = False  # no byte-order mark: the first event is read as any other
         if not self._buf and not self._first and not self._cr:
-            one = _one_event(chunk)  # a live stream's chunk: one whole event, one per token
-            if one is not None:
-                return [one]
-            events, rest = _whole_events(chunk)  # a reader that fell behind: several of them
+            # A live stream's chunk: one whole event (a token), or several (a reader that fell
+            # behind, a short answer that arrived whole).
+            events, rest = _whole_events(chunk)
             if not rest:
                 return events
             chunk = chunk[len(chunk) - rest :]
@@ -163,46 +164,41 @@ class SSEDecoder:
 
 
 def _whole_events(chunk: bytes) -> tuple[list[SSEEvent], int]:
-    """The events :func:`_one_event` reads from the start of ``chunk``, one after another,
-    and how many bytes are left (from the first it declines) for the general reading."""
+    """The events at the start of ``chunk`` that are each exactly ``data: ...``, or ``event:
+    ...`` then ``data: ...``, LF-terminated, then a blank line (what :func:`_parse` reads from
+    them), read in place; and how many bytes are left, from the first event of another shape,
+    for the general reading."""
     events: list[SSEEvent] = []
     start, size = 0, len(chunk)
+    if b"\r" in chunk:
+        return events, size
     while start < size:
-        end = chunk.find(b"\n\n", start) + 2
-        if end == 1:
+        # Line ends are found byte by byte (memchr), not by searching for the blank line.
+        end = chunk.find(b"\n", start)
+        if end < 0 or end + 1 >= size:
             break
-        one = _one_event(chunk[start:end])
-        if one is None:
+        event: str | None = None
+        if chunk[end + 1] == 0x0A:  # one line
+            line = start
+        elif chunk.startswith(b"event:", start):
+            line, end = end + 1, chunk.find(b"\n", end + 1)
+            if end < 0 or end + 1 >= size or chunk[end + 1] != 0x0A:
+                break
+            name = start + 6
+            if name < line - 1 and chunk[name] == 0x20:
+                name += 1
+            event = chunk[name : line - 1].decode("utf-8", "replace") if name < line - 1 else None
+        else:
             break
-        events.append(one)
-        start = end
+        if not chunk.startswith(b"data:", line, end):
+            break
+        data = line + 5
+        if data < end and chunk[data] == 0x20:
+            data += 1
+        after = end + 2
+        events.append(SSEEvent(chunk[start:after], chunk[data:end].decode("utf-8", "replace"), event))
+        start = after
     return events, size - start
-
-
-def _one_event(chunk: bytes) -> SSEEvent | None:
-    """``chunk`` as one event when it is exactly ``data: ...`` or ``event: ...`` then ``data:
-    ...``, LF-terminated, then a blank line (what :func:`_parse` reads from it); else None."""
-    end = len(chunk) - 2
-    if end < 5 or chunk[end:] != b"\n\n" or b"\r" in chunk:
-        return None
-    first = chunk.find(b"\n")
-    event: str | None = None
-    if first == end:  # one line
-        line = chunk[:end]
-    elif chunk.startswith(b"event:") and chunk.find(b"\n", first + 1) == end:
-        name = chunk[6:first]
-        if name[:1] == b" ":
-            name = name[1:]
-        event = name.decode("utf-8", "replace") if name else None
-        line = chunk[first + 1 : end]
-    else:
-        return None
-    if not line.startswith(b"data:"):
-        return None
-    data = line[5:]
-    if data[:1] == b" ":
-        data = data[1:]
-    return SSEEvent(chunk, data.decode("utf-8", "replace"), event)
 
 
 def _parse(raw: bytes, body: bytes) -> SSEEvent:

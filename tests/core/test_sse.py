@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -69,6 +70,12 @@ def reference(stream: bytes) -> list[tuple[bytes, str | None, str | None]]:
 
 def triples(events: list[SSEEvent]) -> list[tuple[bytes, str | None, str | None]]:
     return [(e.raw, e.data, e.event) for e in events]
+
+
+def general(stream: bytes) -> list[SSEEvent]:
+    """``stream`` decoded by the general reading alone (fed a byte at a time, no chunk is ever
+    a whole event), every field."""
+    return decode(split_at(stream, list(range(1, len(stream)))))
 
 
 OPENAI_STREAM = (
@@ -223,12 +230,12 @@ def test_arbitrary_bytes_round_trip(stream: bytes, cuts: list[int]) -> None:
 @settings(max_examples=400, deadline=None)
 @given(stream=streams())
 def test_a_live_stream_one_event_per_chunk_decodes_as_one_shot(stream: bytes) -> None:
-    """Live streams arrive an event per chunk (a token each): those chunks take the decoder's
-    one-event path, and give what one-shot decoding and the plain reading of the rules give,
-    every field included."""
+    """Live streams arrive an event per chunk (a token each): those chunks are read in place,
+    and give what one-shot decoding, the general reading and the plain reading of the rules
+    give, every field included."""
     one_shot = decode([stream])
     per_event = decode([e.raw for e in one_shot])
-    assert per_event == one_shot
+    assert per_event == one_shot == general(stream)
     assert triples(per_event) == reference(stream)
 
 
@@ -245,13 +252,29 @@ def test_a_live_stream_several_events_per_chunk_decodes_as_one_shot(stream: byte
         raws = raws[size:]
     chunks.append(b"".join(raws))
     grouped = decode(chunks)
-    assert grouped == one_shot
+    assert grouped == one_shot == general(stream)
     assert triples(grouped) == reference(stream)
+
+
+def test_a_whole_stream_in_one_chunk_is_read_in_place_from_its_first_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It must be able to fail: a short answer arrives whole in the proxy's first read; only a
+    byte-order mark (or a shape the in-place reading declines) sends it to the general reading."""
+    from proxy.core import sse
+
+    stream = b"".join([b"event: response.created\ndata: {}\n\n", *(b'data: {"n":%d}\n\n' % i for i in range(5))])
+    parsed: list[bytes] = []
+    real = sse._parse
+    monkeypatch.setattr(sse, "_parse", lambda raw, body: parsed.append(raw) or real(raw, body))
+    assert decode([stream]) == general(stream)
+    assert parsed == [b"event: response.created\ndata: {}\n\n"] + [b'data: {"n":%d}\n\n' % i for i in range(5)]  # by general()
+    parsed.clear()
+    assert len(decode([stream])) == 6 and parsed == []
+    assert [e.data for e in decode([b"\xef\xbb\xbf" + stream])][:2] == ["{}", '{"n":0}'] and parsed[0].startswith(b"\xef\xbb\xbf")
 
 
 def test_whole_events_reads_a_chunk_of_live_events_and_leaves_the_rest_from_the_first_it_declines() -> None:
     """It must be able to fail: a chunk of typical events is read whole, without the general
-    reading; from an event the one-event path declines, the bytes are left to it."""
+    reading; from an event of another shape, the bytes are left to it."""
     from proxy.core import sse
 
     typical = [b'data: {"a":1}\n\n', b"event: response.output_text.delta\ndata: {}\n\n", b"data:\n\n"]
@@ -263,13 +286,20 @@ def test_whole_events_reads_a_chunk_of_live_events_and_leaves_the_rest_from_the_
     assert sse._whole_events(typical[0] + b"data: x") == ([sse._parse(typical[0], typical[0])], len(b"data: x"))
 
 
-def test_the_one_event_path_is_taken_for_live_chunks() -> None:
-    """It must be able to fail: typical chunks are read by the one-event path, exactly."""
+def test_the_in_place_path_is_taken_for_live_chunks() -> None:
+    """It must be able to fail: typical chunks are read in place, exactly as the general reading
+    reads them; other shapes are declined whole."""
     from proxy.core import sse
 
-    chunks = [b'data: {"a":1}\n\n', b"event: response.output_text.delta\ndata: {}\n\n", b"event:\ndata:x\n\n", b"data:\n\n"]
+    chunks = [
+        b'data: {"a":1}\n\n', b"event: response.output_text.delta\ndata: {}\n\n", b"event:\ndata:x\n\n",
+        b"data:\n\n", b"event: \ndata:  two spaces\n\n", b"event:x\ndata: \xff\n\n",
+    ]
     for chunk in chunks:
-        one = sse._one_event(chunk)
-        assert one is not None and one == sse._parse(chunk, chunk)
-    for chunk in (b"id: 1\ndata: x\n\n", b"data: a\ndata: b\n\n", b"data: x\r\n\r\n", b": ping\n\n", b"data: x\n"):
-        assert sse._one_event(chunk) is None
+        assert sse._whole_events(chunk) == ([sse._parse(chunk, chunk)], 0)
+    declined = (
+        b"id: 1\ndata: x\n\n", b"data: a\ndata: b\n\n", b"data: x\r\n\r\n", b": ping\n\n", b"data: x\n",
+        b"event: x\n\ndata: y\n\n", b"event: x\nid: 2\n\n", b"\ndata: x\n\n", b"event: a\ndata: b\n", b"data: x\n y\n\n",
+    )
+    for chunk in declined:
+        assert sse._whole_events(chunk) == ([], len(chunk))
