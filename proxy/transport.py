@@ -116,7 +116,7 @@ class Response:
         self._no_body = no_body
         self._until_eof = not no_body and self.content_length is None and not self._chunked
         """The body ends when the connection closes (no length, not chunked)."""
-        self._buffer: collections.deque[bytes] = collections.deque()
+        self._buffer: list[bytes] = []
         self._buffered = 0
         self._done = no_body
         self._error: BaseException | None = None
@@ -135,11 +135,10 @@ class Response:
             if self._done:
                 return b""
             await self._wait(within)
-        buffer = self._buffer
-        # Everything that arrived, in one piece: a stream's events come a chunk each, and a
-        # reader that relays them writes once per read, not once per event.
-        chunk = buffer.popleft() if len(buffer) == 1 else b"".join(buffer)
-        buffer.clear()
+        # Everything that arrived, in one piece (one chunk is not copied): a stream's events come
+        # a chunk each, and a reader that relays them writes once per read, not once per event.
+        chunk = b"".join(self._buffer)
+        self._buffer.clear()
         self._buffered = 0
         conn = self._conn
         if conn is not None and conn.paused:
