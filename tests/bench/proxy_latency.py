@@ -17,7 +17,7 @@ streams them (to its last byte); agent loops (:class:`tests.agents.Agent`: each 
 the last reply and tool results, ~10 -> 20 KiB); and a captured Codex CLI request on the
 Responses API (``/v1/responses``, ~40 KiB, ``store: false``: the whole conversation every
 turn) re-sent with its last turn changed and streamed as Codex asks (the API's event stream,
-30 events, to its last byte). Measured, every target in rotating order
+26 events, to its last byte). Measured, every target in rotating order
 within each round (direct, bare, kvwarm / bare, kvwarm, direct / ...):
 
 - latency (added = a target's percentile minus direct's) of each case, one request at a time;
@@ -108,13 +108,18 @@ class Plan:
 # -- the cases ----------------------------------------------------------------------------------
 
 
+def _last_turn(i: int) -> str:
+    """The user turn of request ``i``: new every time (a retry, an edited prompt, a new task)."""
+    return f"Turn {i}: look again at case {i % 97} and report what changed."
+
+
 def varying_bodies(messages: list[dict[str, Any]], n: int, *, stream: bool = False, max_tokens: int | None = None) -> list[bytes]:
     """``n`` request bodies: ``messages`` re-sent byte for byte, then a last user turn that
     changes every time (a retry, an edited prompt, a new task under the same history).
     ``max_tokens``: the echo upstream streams that many tokens, a chunk each."""
     out = []
     for i in range(n):
-        turn = {"role": "user", "content": f"Turn {i}: look again at case {i % 97} and report what changed."}
+        turn = {"role": "user", "content": _last_turn(i)}
         body = chat_body([*messages, turn], stream=stream)
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
@@ -130,8 +135,7 @@ def codex_bodies(n: int) -> list[bytes]:
     assert body["stream"] is True
     out = []
     for i in range(n):
-        turn = {"type": "message", "role": "user",
-                "content": [{"type": "input_text", "text": f"Turn {i}: look again at case {i % 97} and report what changed."}]}
+        turn = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": _last_turn(i)}]}
         out.append(orjson.dumps({**body, "input": [*body["input"], turn]}))
     return out
 
@@ -162,7 +166,7 @@ def _echo_message(raw: bytes, n: int) -> dict[str, Any]:
 def echo_app() -> web.Application:
     """A minimal OpenAI-compatible upstream: ``/v1/chat/completions`` (JSON, or SSE when the
     body asks for a stream) with a usage block, ``/v1/responses`` (one output message and its
-    usage: JSON, or when the body asks for a stream the API's event stream, 30 events) and
+    usage: JSON, or when the body asks for a stream the API's event stream, 26 events) and
     ``/v1/models`` (readiness)."""
     counter = itertools.count()
 
