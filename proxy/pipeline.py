@@ -273,22 +273,21 @@ class Pipeline:
     async def count_large(self, turn: TurnWrite) -> TurnWrite:
         """Token counts of the nodes left uncounted (-1) past the inline budget: a first turn's
         system prompt, a large tool result (:meth:`counts`)."""
-        later = [n for n in turn.nodes if n.tokens == -1]
-        if not later:
-            return turn
-        return replace(turn, nodes=await self.counted(turn.nodes, later, turn.tenant))
+        nodes = await self.counted(turn.nodes, turn.tenant)
+        return turn if nodes is None else replace(turn, nodes=nodes)
 
     async def counted_transcript(self, transcript: Transcript) -> Transcript:
         """``transcript`` with every node's token count: those written uncounted are counted now."""
-        later = [n for n in transcript.nodes if n.tokens < 0]
-        if not later:
-            return transcript
-        return replace(transcript, nodes=await self.counted(transcript.nodes, later, transcript.tenant))
+        nodes = await self.counted(transcript.nodes, transcript.tenant)
+        return transcript if nodes is None else replace(transcript, nodes=nodes)
 
-    async def counted(self, nodes: Sequence[Node], later: Sequence[Node], tenant: bytes) -> tuple[Node, ...]:
-        """``nodes`` with those of ``later`` counted (:meth:`counts`)."""
+    async def counted(self, nodes: Sequence[Node], tenant: bytes) -> tuple[Node, ...] | None:
+        """``nodes`` with those written uncounted counted (:meth:`counts`); None: all were counted."""
+        later = [n for n in nodes if n.tokens < 0]
+        if not later:
+            return None
         counts = await self.counts(later, self.store.view(tenant))
-        return tuple(n.with_tokens(counts[n.key]) if n.key in counts and n.tokens < 0 else n for n in nodes)
+        return tuple(n.with_tokens(counts[n.key]) if n.tokens < 0 else n for n in nodes)
 
     async def counts(self, nodes: Sequence[Node], view: NodeReader) -> dict[bytes, int]:
         """Key -> token count of each of ``nodes``: as written or as stored, else counted once.
