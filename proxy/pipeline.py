@@ -251,6 +251,7 @@ class Pipeline:
                 plan, answer.reply, usage, answer.cost,
                 model=_model(body), client_gone=answer.client_gone, now=time.time(),
                 count_tokens=_uncounted if self._fill_later else _TokenBudget(self.tokens.count_body, INLINE_TOKENIZE_BYTES),
+                memo=self.memo,
             )
         if turn is None:
             return

@@ -19,13 +19,14 @@ allows rewriting):
 from __future__ import annotations
 
 import hashlib
+from sys import intern
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
 from typing import Any
 
 import orjson
 
-from .identity import IdentityMemo, identify_messages, message_identity, tight, tools_identity
+from .identity import IdentityMemo, identify_message, identify_messages, tight, tools_identity
 from .model import ROLE_TOOLS, Node, NodeReader, chain, tenant_root
 from .policy import Policy
 from .values import value
@@ -417,58 +418,67 @@ def new_nodes(
     generated_partial: bool,
     now: float,
     count_tokens: Callable[[bytes], int],
+    memo: IdentityMemo | None = None,
 ) -> list[Node]:
     """Nodes to insert after a successful exchange, parents first.
 
     One node per forwarded element at depth >= ``match.matched`` (body: the element as
     forwarded), then each generated reply element as generated (the first a child of the
-    last element, each next one a child of the one before; ``generated=True``).
+    last element, each next one a child of the one before; ``generated=True``). Every body is
+    a :func:`~proxy.core.identity.tight` copy. A new node's parent key and tenant are the very
+    objects of the stored prefix's nodes where there are some (a store keeps those).
+
+    ``memo`` (the identity memo the match was planned with): a reply's identity is looked up by
+    its bytes, and remembered (the client re-sends the reply as its next turn's message).
     """
-    elements = forwarded_elements(match, forwarded)
     out: list[Node] = []
     root = match.root
-    # Past the matched prefix the forwarded elements are the client's own (repair stops there):
-    # the bytes identification serialized are theirs.
-    dumped = match.dumped
-    for depth in range(match.matched, len(match.keys)):
-        element = elements[depth]
-        data = dumped[depth] if depth < len(dumped) else None
-        body = data if data is not None else tight(orjson.dumps(element))
-        role = ROLE_TOOLS if depth == 0 else _role(element)
-        out.append(
-            Node(
-                key=match.keys[depth],
-                parent=match.keys[depth - 1] if depth else root,
-                tenant=root,
-                depth=depth,
-                role=role,
-                identity=match.identities[depth],
-                body=body,
-                tokens=count_tokens(body),
-                created=now,
+    keys = match.keys
+    stored = match.nodes
+    tenant = stored[0].tenant if stored else root
+    parent = stored[-1].key if stored else root
+    depth = match.matched
+    if depth < len(keys):
+        elements = forwarded_elements(match, forwarded)
+        # Past the matched prefix the forwarded elements are the client's own (repair stops
+        # there): the bytes identification serialized are theirs.
+        dumped = match.dumped
+        identities = match.identities
+        for depth in range(match.matched, len(keys)):
+            element = elements[depth]
+            data = dumped[depth] if depth < len(dumped) else None
+            body = data if data is not None else tight(orjson.dumps(element))
+            key = keys[depth]
+            out.append(
+                Node(
+                    key, parent, tenant, depth, ROLE_TOOLS if depth == 0 else intern(_role(element)), identities[depth],
+                    body, count_tokens(body), False, False, now,
+                )
             )
-        )
-    parent = match.keys[-1]
+            parent = key
+        depth += 1
+    if not replies:
+        return out
+    parent = out[-1].key if out else (stored[-1].key if len(stored) == len(keys) else keys[-1])
+    lookup = memo.get if memo is not None else None
+    policy = match.policy
     for message in replies:
-        identity = message_identity(message, match.policy)
         body = tight(orjson.dumps(message))
+        hit = lookup(body) if lookup is not None else None
+        if hit is None:
+            hit = identify_message(message, policy)
+            if memo is not None:
+                memo.put(body, hit, copied=True)
+        identity = hit[0]
         key = chain(parent, identity)
         out.append(
             Node(
-                key=key,
-                parent=parent,
-                tenant=root,
-                depth=out[-1].depth + 1 if out else len(match.keys),
-                role=_role(message) or "assistant",
-                identity=identity,
-                body=body,
-                tokens=count_tokens(body),
-                generated=True,
-                partial=generated_partial,
-                created=now,
+                key, parent, tenant, depth, intern(_role(message) or "assistant"), identity,
+                body, count_tokens(body), True, generated_partial, now,
             )
         )
         parent = key
+        depth += 1
     return out
 
 

@@ -171,11 +171,13 @@ def turn_write(
     client_gone: bool,
     now: float,
     count_tokens: Callable[[bytes], int] = len,
+    memo: IdentityMemo | None = None,
 ) -> TurnWrite | None:
     """The nodes and session totals of a turn that was answered; None without a match.
 
     The reply is recorded as generated; when the client left mid-stream it is recorded
-    as delivered (``partial``): what the client sends next is what its user saw.
+    as delivered (``partial``): what the client sends next is what its user saw. ``memo``:
+    the identity memo the plan was made with (see :func:`~proxy.core.match.new_nodes`).
     """
     match = plan.match
     if match is None:
@@ -188,6 +190,7 @@ def turn_write(
         generated_partial=bool(reply is not None and (reply.partial or client_gone)),
         now=now,
         count_tokens=count_tokens,
+        memo=memo,
     )
     leaf = drafts[-1].key if drafts else (match.keys[-1] if match.keys else None)
     if leaf is None:

@@ -72,7 +72,10 @@ class LocalStore:
     def write_turn_now(self, turn: TurnWrite) -> None:
         store = self.local
         if turn.nodes:
-            store.insert(turn.nodes)
+            if isinstance(store, MemoryStore):
+                store.insert(turn.nodes, tight=True)  # new_nodes' bodies are tight copies
+            else:
+                store.insert(turn.nodes)
         store.touch(turn.path[-1:], turn.now)  # the deepest node: its parents' use follows it (MemoryStore.touch)
         if isinstance(store, MemoryStore):  # memory and sqlite: a lookup per key, no copies
             previous = store.last_session(turn.path)

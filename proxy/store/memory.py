@@ -152,14 +152,15 @@ class MemoryStore:
 
     # -- writes ---------------------------------------------------------------------------
 
-    def insert(self, nodes: Sequence[Node]) -> int:
-        """Insert-if-absent, parents first; over the budget, LRU leaves go after each node."""
+    def insert(self, nodes: Sequence[Node], *, tight: bool = False) -> int:
+        """Insert-if-absent, parents first; over the budget, LRU leaves go after each node.
+        ``tight``: every body is an exact-size copy already (a turn's new nodes), kept as it is."""
         self._settle()
         now = self._clock()
         add = self._index.add
         added = 0
         for node in nodes:
-            stored = add(node, now)
+            stored = add(node, now, tight=tight)
             if stored is not None:
                 added += 1
                 self._on_insert(*stored)

@@ -81,12 +81,17 @@ class NodeIndex:
             node = nodes.get(node.parent)
         return []
 
-    def add(self, node: Node, used: float, digest: bytes | None = None) -> tuple[Node, bytes, bool] | None:
+    def add(
+        self, node: Node, used: float, digest: bytes | None = None, *, tight: bool = False
+    ) -> tuple[Node, bytes, bool] | None:
         """Store ``node`` if absent and its parent is present (a tenant root for element 0).
 
         Returns the stored node (holding the parent's key, the tenant and the body objects
         already held), its body's blob hash, and whether that body is new here; None when
         nothing was stored. ``digest``: the body's blob hash when the caller verified it already.
+        ``tight``: the body is an exact-size copy already (:func:`~proxy.core.identity.tight`),
+        held as it is; a node that holds its parent's key, its tenant and such a new body is
+        stored itself, not rebuilt.
         """
         nodes = self.nodes
         if node.key in nodes:
@@ -107,7 +112,7 @@ class NodeIndex:
             parent_key = parent.key
         if digest is None:
             digest = blob_hash(node.body)
-        blob, new_blob = self._intern(node.body, digest)
+        blob, new_blob = self._intern(node.body, digest, tight)
         if node.body is not blob.data or node.parent is not parent_key or node.tenant is not tenant:
             # The constructor, not dataclasses.replace: this runs for every node loaded.
             node = Node(
@@ -138,15 +143,16 @@ class NodeIndex:
         )
         return node, digest, new_blob
 
-    def _intern(self, body: bytes, digest: bytes) -> tuple[Blob, bool]:
-        """The held copy of ``body`` (one more reference to it), and whether it is new."""
+    def _intern(self, body: bytes, digest: bytes, tight: bool = False) -> tuple[Blob, bool]:
+        """The held copy of ``body`` (one more reference to it; ``tight``: ``body`` itself when
+        new), and whether it is new."""
         blob = self.blobs.get(digest)
         if blob is not None:
             blob.refs += 1
             return blob, False
         # A tight copy: orjson's output (where bodies come from) keeps at least a 4 kB
         # buffer behind even a 60-byte message, and 8x the length of a long string.
-        blob = self.blobs[digest] = Blob(bytes(memoryview(body)), 1)
+        blob = self.blobs[digest] = Blob(body if tight else bytes(memoryview(body)), 1)
         self.bytes += blob_cost(len(blob.data))
         return blob, True
 
