@@ -5,7 +5,10 @@ Each stage that only *enriches* a request (parse, match, repair, diagnose, recor
 usage, store, ...) runs as ``with guard("match"): ...``. An exception inside is
 logged once (with its traceback), counted in ``kvwarm_errors_total{stage}``, added
 to the request's ``failed_open=`` log field, and swallowed: the caller goes on with
-what it had (in the end, the client's own bytes).
+what it had (in the end, the client's own bytes). The request path's own stages, run
+on every request (and the observers', run on every event of a stream), are written
+``try: ... except Exception as exc: guard.fail("match", exc)``: the same boundary, at no
+cost until something fails (the context manager is three Python calls, about 0.3 µs).
 
 In the style of httpcore's ``map_exceptions``: errors are mapped once, at the
 boundary, never by hand-written try/except blocks in each stage. The pure core
@@ -60,6 +63,7 @@ class FailOpen:
         return True
 
     def fail(self, stage: str, exc: BaseException) -> None:
+        """``stage`` raised ``exc``: logged, counted, listed, and the request goes on."""
         log.error("%s failed; going on without it (fail open)", stage, exc_info=exc)
         if self._count is not None:
             self._count(stage)

@@ -115,8 +115,11 @@ class Pipeline:
             raw = await request.read()  # read by the guard middleware, within its size and time limits
             scope: Scope = (self.tenants.of(request.headers), request.method, request.path)
             wire, body, recalled = None, None, None
-            with guard("parse"):
+            # Every request's stages: try/except, the guard's boundary at no cost (core/guard.py).
+            try:
                 wire, body, recalled = self.parse(request, raw, scope)
+            except Exception as exc:
+                guard.fail("parse", exc)
             if wire is None or body is None:
                 return await self.passthrough(request, raw)
             answer = Answer(failed=guard.failed)
@@ -131,9 +134,11 @@ class Pipeline:
                 route = self.router.route(plan, body, guard)
 
                 def outgoing(replica: Replica) -> Outgoing:  # the bytes depend on the replica's traits
-                    out = Outgoing(raw, False)
-                    with guard("repair"):
+                    try:
                         out = wire.outgoing(raw, body, plan, replica.traits)
+                    except Exception as exc:
+                        guard.fail("repair", exc)
+                        out = Outgoing(raw, False)
                     keyed = route.keyed(out.body)
                     return out if keyed is out.body else replace(out, body=keyed)
 
@@ -145,8 +150,10 @@ class Pipeline:
                     answer.reply = observer.end(client_gone=outcome.client_gone)
                     answer.usage = observer.usage
                     await self.record(plan, body, answer, guard)
-                    with guard("routing"):
+                    try:
                         await lease.done(outcome)  # the replica's health; the recorded prefix lives there
+                    except Exception as exc:
+                        guard.fail("routing", exc)
 
                 async with lease:
                     return await relay(request, lease.response, lease.sender, visibility_headers(plan), observer, finish)
@@ -154,8 +161,10 @@ class Pipeline:
                 duration = time.perf_counter() - started
                 # After the response (the end of this loop iteration), before the client's next turn.
                 asyncio.get_running_loop().call_soon(self.remember, scope, wire, raw, body, plan, recalled, guard)
-                with guard("report"):
+                try:
                     self.reporter.report(wire.name, _model(body), body.get("stream") is True, plan, answer, duration)
+                except Exception as exc:
+                    guard.fail("report", exc)
         finally:
             self.metrics.request_ended()
 
@@ -187,8 +196,10 @@ class Pipeline:
     ) -> None:
         """Keep the body, where its messages are and what they are, for the tenant's next turn."""
         if plan is not None and plan.match is not None and wire.resends is not None:
-            with guard("identify"):
+            try:
                 self.resent.remember_plan(scope, raw, body, plan, recalled, tag=wire, array=wire.resends)
+            except Exception as exc:
+                guard.fail("identify", exc)
 
     def plan(
         self, wire: Wire, raw: bytes, body: dict[str, Any], root: bytes, guard: FailOpen, recalled: Recalled | None
@@ -240,32 +251,39 @@ class Pipeline:
     async def record(self, plan: TurnPlan | None, body: dict[str, Any], answer: Answer, guard: FailOpen) -> None:
         """Price the turn and store it, before the response's last bytes go out."""
         usage = answer.usage
+        model = _model(body)
         if usage is not None:
-            with guard("usage"):
-                answer.cost = cost_of(usage, self.prices.lookup(_model(body)))
+            try:
+                answer.cost = cost_of(usage, self.prices.lookup(model))
+            except Exception as exc:
+                guard.fail("usage", exc)
         if plan is None or plan.match is None or not _ok(answer.status):
             return
-        turn: TurnWrite | None = None
-        with guard("record"):
+        try:
             turn = turn_write(
                 plan, answer.reply, usage, answer.cost,
-                model=_model(body), client_gone=answer.client_gone, now=time.time(),
+                model=model, client_gone=answer.client_gone, now=time.time(),
                 count_tokens=_uncounted if self._fill_later else _TokenBudget(self.tokens.count_body, INLINE_TOKENIZE_BYTES),
                 memo=self.memo,
             )
+        except Exception as exc:
+            guard.fail("record", exc)
+            return
         if turn is None:
             return
-        if any(n.tokens == -1 for n in turn.nodes):
+        if not self._fill_later and any(n.tokens == -1 for n in turn.nodes):
             with guard("record"):
                 turn = await self.count_large(turn)
         store = self.store
         if not store.shared:
             # A local store's write is in-memory bookkeeping that never waits: a failure is the record's.
-            with guard("record"):
+            try:
                 if isinstance(store, LocalStore):
                     store.write_turn_now(turn)
                 else:
                     await store.write_turn(turn)
+            except Exception as exc:
+                guard.fail("record", exc)
             return
         with guard("store"):  # a shared store may be slow or gone
             async with asyncio.timeout(self.settings.store.timeout):

@@ -103,9 +103,12 @@ class Reporter:
             return
         queue, self._queue = self._queue, []
         guard = FailOpen(self._count_error)
+        write = self._write
         for item in queue:
-            with guard("report"):
-                self._write(*item)
+            try:
+                write(*item)
+            except Exception as exc:
+                guard.fail("report", exc)
 
     def _write(self, api: str, model: str, stream: bool, plan: TurnPlan | None, answer: Answer, duration: float) -> None:
         m = self.metrics

@@ -22,9 +22,15 @@ class StageContext(Protocol):
 
 
 class Guard(Protocol):
-    """``with guard(stage):`` around one stage."""
+    """``with guard(stage):`` around one stage; on a hot path (every event of a stream), the
+    same as ``try: ... except Exception as exc: guard.fail(stage, exc)``, which costs nothing
+    until something fails (a context manager is three calls)."""
 
     def __call__(self, stage: str) -> StageContext: ...
+
+    def fail(self, stage: str, exc: Exception) -> None:
+        """``stage`` raised ``exc``: handled (a fail-open guard), or raised again."""
+        ...
 
 
 class _Strict:
@@ -42,6 +48,9 @@ class _Strict:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> Literal[False]:
         return False
+
+    def fail(self, stage: str, exc: Exception) -> None:
+        raise exc
 
 
 STRICT: Guard = _Strict()

@@ -19,9 +19,9 @@ allows rewriting):
 from __future__ import annotations
 
 import hashlib
-from sys import intern
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
+from sys import intern
 from typing import Any
 
 import orjson
@@ -285,14 +285,23 @@ def _match_after(
 ) -> Match:
     """:func:`match_request` for a body whose first ``k`` messages ``before`` matched in order
     (and with the same ``tools`` object: ``tools_clean`` when it needed no repair then)."""
-    dumped: list[bytes | None] | None = list(before.message_dumped[:k]) if memo is not None else None
-    if dumped is not None and len(dumped) < k:
-        dumped = None
+    dumped: list[bytes | None] | None = None
+    if memo is not None and len(before.message_dumped) >= k:
+        dumped = list(before.message_dumped)
+        del dumped[k:]
     new_ids, new_sizes = identify_messages(messages[k:], policy, memo, dumped)
-    msg_ids = [*before.message_ids[:k], *new_ids]
-    sizes = [*before.message_sizes[:k], *new_sizes]
+    msg_ids = list(before.message_ids)
+    del msg_ids[k:]
+    msg_ids += new_ids
+    sizes = list(before.message_sizes)
+    del sizes[k:]
+    sizes += new_sizes
+    keys = list(before.keys)
+    del keys[k + 1 :]
+    nodes = list(before.nodes)
+    del nodes[k + 1 :]
     return _chain(
-        messages, k, list(before.keys[: k + 1]), list(before.nodes[: k + 1]), list(range(k)), True,
+        messages, k, keys, nodes, list(range(k)), True,
         msg_ids, sizes, dumped, before.identities[0], before.root, store, policy, memo, min(clean, k), tools_clean,
     )
 

@@ -135,29 +135,37 @@ def _plan(
     match: Match | None = None
     repair = NO_REPAIR
     brk: Break | None = None
-    with guard("match"):
+    # try/except rather than ``with guard(...)``: the same boundary at no cost (core/guard.py).
+    try:
         match = match_request(body, root, reader, policy, memo, known)
+    except Exception as exc:
+        guard.fail("match", exc)
     clean = 0
     tools_clean = False
     if match is not None:
-        with guard("repair"):
+        try:
             repair = plan_repair(body, match, policy)
             if policy.repair:
-                repaired = [r.depth for r in repair.repairs if r.depth >= 1]
-                clean = min(repaired) - 1 if repaired else match.matched_messages
-                tools_clean = match.matched >= 1 and all(r.depth != 0 for r in repair.repairs)
-        with guard("diagnose"):
+                repairs = repair.repairs
+                if not repairs:  # the usual case
+                    clean = match.matched_messages
+                    tools_clean = match.matched >= 1
+                else:
+                    repaired = [r.depth for r in repairs if r.depth >= 1]
+                    clean = min(repaired) - 1 if repaired else match.matched_messages
+                    tools_clean = match.matched >= 1 and all(r.depth != 0 for r in repairs)
+        except Exception as exc:
+            guard.fail("repair", exc)
+        try:
             brk = diagnose(body, match, reader)
+        except Exception as exc:
+            guard.fail("diagnose", exc)
     messages = body.get("messages")
+    forwarded = repair.body if repair.body is not None else body
+    # Positional (root, match, repair, brk, forwarded, messages, spliced, refused, clean,
+    # tools_clean): keyword arguments cost a value's constructor about twice as much.
     return TurnPlan(
-        root=root,
-        match=match,
-        repair=repair,
-        brk=brk,
-        forwarded=repair.body if repair.body is not None else body,
-        messages=len(messages) if isinstance(messages, list) else 0,
-        clean=clean,
-        tools_clean=tools_clean,
+        root, match, repair, brk, forwarded, len(messages) if isinstance(messages, list) else 0, None, "", clean, tools_clean
     )
 
 

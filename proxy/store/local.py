@@ -7,6 +7,7 @@ A local store holds its whole index in memory, so its view is the store itself
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 from .base import (
     Lookups,
@@ -50,6 +51,8 @@ class LocalStore:
         self.fills_tokens = isinstance(store, MemoryStore) and store.fills_tokens
         """Nodes may be written uncounted and their token counts filled in when read
         (:meth:`fill_tokens`): the memory backend, or one that persists the fill (sqlite)."""
+        self._tight = isinstance(store, MemoryStore) and type(store).insert is MemoryStore.insert
+        """A turn's nodes (whose bodies are tight copies) are kept as they are (``insert(tight=True)``)."""
 
     async def open(self) -> None:
         await self.local.open()
@@ -72,8 +75,8 @@ class LocalStore:
     def write_turn_now(self, turn: TurnWrite) -> None:
         store = self.local
         if turn.nodes:
-            if isinstance(store, MemoryStore):
-                store.insert(turn.nodes, tight=True)  # new_nodes' bodies are tight copies
+            if self._tight:
+                cast(MemoryStore, store).insert(turn.nodes, tight=True)
             else:
                 store.insert(turn.nodes)
         store.touch(turn.path[-1:], turn.now)  # the deepest node: its parents' use follows it (MemoryStore.touch)

@@ -136,12 +136,13 @@ class ChatObserver:
             return KEEP
         if type(chunk) is not dict:
             return KEEP
-        observed = False
-        with self._guard("usage"):
+        try:  # not ``with guard``: every event comes here (proxy/core/guard.py)
             self._read(chunk)
             assembler.feed(chunk)
-            observed = True
-        if not observed or not self._injected:
+        except Exception as exc:
+            self._guard.fail("usage", exc)
+            return KEEP
+        if not self._injected:
             return KEEP
         if is_usage_only_chunk(chunk):
             return HIDE
@@ -163,14 +164,18 @@ class ChatObserver:
         reply: Reply | None = None
         data = self._body.take()
         if data is not None:
-            with self._guard("usage"):
+            try:
                 payload = orjson.loads(data)
                 if type(payload) is dict:
                     self._read(payload)
                     reply = reply_from_body(payload)
+            except Exception as exc:
+                self._guard.fail("usage", exc)
             return reply
-        with self._guard("record"):
+        try:
             reply = self._assembler.result() if self._assembler is not None else None
+        except Exception as exc:
+            self._guard.fail("record", exc)
         if reply is not None and client_gone and not reply.partial:
             reply = Reply(reply.message, reply.finish_reason, True, reply.model)
         return reply

@@ -418,8 +418,10 @@ class ResponsesObserver:
         self._terminal = event.event in TERMINAL
         if event.data is None:
             return KEEP
-        with self._guard("usage"):
+        try:  # not ``with guard``: every event comes here (proxy/core/guard.py)
             self._read_event(orjson.loads(event.data))
+        except Exception as exc:
+            self._guard.fail("usage", exc)
         return KEEP
 
     def _read_event(self, data: Any) -> None:

@@ -26,6 +26,7 @@ from proxy.store.memory import (
     LEAF_ENTRY,
     MemoryStore,
     blob_cost,
+    blob_hash,
     list_cost,
     node_cost,
     session_cost,
@@ -279,3 +280,42 @@ def test_identity_memo_bounds_tool_sets_by_bytes():
 def test_identity_memo_rejects_a_non_positive_budget():
     with pytest.raises(ValueError):
         IdentityMemo(max_bytes=0)
+
+
+def test_a_turns_new_nodes_are_kept_as_they_are_and_accounted(clock):
+    """``write_turn_now`` keeps a turn's new nodes themselves (their bodies are tight copies,
+    their parent key and tenant the stored objects): no copy, no rebuilt node. A plain
+    ``insert`` still keeps a tight copy of what it is given. Either way the accounting holds."""
+    from proxy.core.identity import IdentityMemo as Memo
+    from proxy.core.plan import plan_turn, turn_write
+    from proxy.core.record import Reply
+    from proxy.store.local import LocalStore
+
+    memory = MemoryStore(3600, 1 << 30, clock=clock)
+    store = LocalStore(memory)
+    root = tenant_root("t")
+    memo, policy = Memo(), Policy()
+    messages: list[dict[str, object]] = [{"role": "system", "content": "You help."}]
+    for turn_no in range(4):
+        messages.append({"role": "user", "content": f"question {turn_no}"})
+        body = {"model": "m", "messages": [dict(m) for m in messages]}
+        plan = plan_turn(body, root, store.view(root), policy, memo)
+        reply = {"role": "assistant", "content": f"answer {turn_no}"}
+        turn = turn_write(plan, Reply(reply, "stop", False, "m"), None, None, model="m", client_gone=False, now=1.0, memo=memo)
+        assert turn is not None and turn.nodes
+        store.write_turn_now(turn)
+        for node in turn.nodes:
+            assert memory._nodes[node.key] is node, "a turn's new node was rebuilt"
+            assert memory._blobs[blob_hash(node.body)].data is node.body
+        messages.append(reply)
+        assert_consistent(memory)
+    # A node given to insert() (a body that may hold a writer's buffer) is copied as before.
+    data = orjson.dumps({"role": "user", "content": "x" * 100})
+    leaf = memory.path(turn.leaf)[-1]
+    other = Node(
+        key=b"k" * 16, parent=leaf.key, tenant=leaf.tenant, depth=leaf.depth + 1, role="user",
+        identity=b"i" * 16, body=data, tokens=1, created=1.0,
+    )
+    assert memory.insert([other]) == 1
+    assert memory._nodes[other.key].body == data and memory._nodes[other.key].body is not data
+    assert_consistent(memory)
