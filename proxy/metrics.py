@@ -173,6 +173,10 @@ RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 _MAX_LABEL_LEN = 100
 _MAX_VOCABULARY = 50
+_RAW_SERIES = 1024
+_LISTED = 256
+"""Most observations a request series lists before they go to the batch's histogram buckets."""
+"""Most (model string, status, stream) values the request series are cached under."""
 """Cap on distinct ``kind`` / ``reason`` values: they are kvwarm's own words, but never unbounded."""
 
 
@@ -227,14 +231,19 @@ class _Batch:
         counts[child] = counts.get(child, 0.0) + amount
 
     def observe(self, child: Any, value: float) -> None:
+        self.observe_all(child, (value,))
+
+    def observe_all(self, child: Any, values: Iterable[float]) -> None:
         slots = self.histograms.get(child)
         if slots is None:
             # [sum, one count per bucket]: Histogram.observe adds to the first bucket whose
             # upper bound is >= the value (its buckets are not cumulative until collected).
             slots = self.histograms[child] = [0.0] * (len(child._upper_bounds) + 1)
-        slots[0] += value
-        if value == value:  # NaN is in no bucket
-            slots[1 + bisect_left(child._upper_bounds, value)] += 1
+        bounds = child._upper_bounds
+        for value in values:
+            slots[0] += value
+            if value == value:  # NaN is in no bucket
+                slots[1 + bisect_left(bounds, value)] += 1
 
     def apply(self) -> None:
         series, self.series = self.series, []
@@ -256,7 +265,7 @@ class _Series:
     """The children one request observes, for one (model, status class, stream), by name: each
     looked up once, when first observed (a series no request observed is not exported)."""
 
-    __slots__ = ("_child", "_kids", "_table", "pending")
+    __slots__ = ("_child", "_kids", "_table", "pending", "values")
 
     def __init__(self, child: Callable[..., Any], table: dict[str, tuple[Any, tuple[str, ...]]]) -> None:
         self._child = child
@@ -265,6 +274,8 @@ class _Series:
         self._kids: dict[str, Any] = {}
         self.pending: defaultdict[str, float] | None = None
         """Counter increments by name not added to the batch yet (None: none); see :meth:`fold`."""
+        self.values: defaultdict[str, list[float]] = defaultdict(list)
+        """Histogram observations by name not added to the batch yet (while ``pending`` is set)."""
 
     def __call__(self, name: str) -> Any:
         kid = self._kids.get(name)
@@ -274,11 +285,21 @@ class _Series:
         return kid
 
     def fold(self, batch: _Batch) -> None:
-        """Add the pending increments to ``batch`` (a child is made, and exported, even for 0)."""
+        """Add the pending increments and observations to ``batch`` (a child is made, and
+        exported, even for 0)."""
         pending, self.pending = self.pending, None
         if pending:
             for name, amount in pending.items():
                 batch.inc(self(name), amount)
+        self.fold_values(batch)
+
+    def fold_values(self, batch: _Batch) -> None:
+        """Add the listed histogram observations to ``batch``'s buckets."""
+        values = self.values
+        if values:
+            for name, observed in values.items():
+                batch.observe_all(self(name), observed)
+            values.clear()
 
 
 class _FlushOnRead:
@@ -314,6 +335,8 @@ class ProxyMetrics:
         # children are looked up once and kept (this is on every request's path).
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._request_series: dict[tuple[str, str, bool], _Series] = {}
+        self._raw_series: dict[tuple[str, int | None, bool], _Series] = {}
+        """The same series by a request's own model string and status (see :meth:`_series_for`)."""
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, labels, registry=registry)
@@ -496,34 +519,64 @@ class ProxyMetrics:
         cost: Cost | None,
     ) -> None:
         """Count one finished request: status, latencies, token usage and cost."""
-        label = self.model_label(model)
-        status_class = _status_class(status)
-        kids = self._request_series.get((label, status_class, stream))
+        kids = self._raw_series.get((model, status, stream))
         if kids is None:
-            kids = self._request_series[(label, status_class, stream)] = self._series_of(label, status_class, stream)
-        batch = self._pending()
-        # The counters are summed per series (a defaultdict: a counter added 0 is exported too),
-        # folded into the batch when it is applied; the histograms go to the batch's buckets at
-        # once (bounded, however many requests).
+            kids = self._series_for(model, status, stream)
+        # Counters summed per series (a defaultdict: a counter added 0 is exported too) and
+        # histogram observations listed per series, folded into the batch when it is applied.
         counts = kids.pending
         if counts is None:
             counts = kids.pending = defaultdict(float)
-            batch.series.append(kids)
+            self._pending().series.append(kids)
+        values = kids.values
         counts["requests"] += 1
-        observe = batch.observe
-        observe(kids("duration"), max(0.0, duration))
+        durations = values["duration"]
+        durations.append(duration if duration > 0.0 else 0.0)
         if ttfb is not None:
-            observe(kids("ttfb"), max(0.0, ttfb))
+            values["ttfb"].append(ttfb if ttfb > 0.0 else 0.0)
         if usage is None:
-            if status_class == "2xx":
+            if type(status) is int and 200 <= status < 300:
                 counts["usage_missing"] += 1
         else:
-            self._observe_usage(batch, kids, counts, usage)
+            prompt = usage.prompt_tokens
+            if prompt and prompt > 0:
+                counts["prompt"] += prompt
+            completion = usage.completion_tokens
+            if completion and completion > 0:
+                counts["completion"] += completion
+            if usage.reasoning_tokens and usage.reasoning_tokens > 0:
+                counts["reasoning"] += usage.reasoning_tokens
+            if usage.cache_write_tokens and usage.cache_write_tokens > 0:
+                counts["cache_write"] += usage.cache_write_tokens
+            cached = usage.cached_tokens
+            if cached is None or prompt is None:
+                # Without both numbers the response says nothing about the hit ratio.
+                counts["unknown_cache"] += 1
+            else:
+                cached = min(max(cached, 0), max(prompt, 0))
+                counts["cached"] += cached
+                counts["cache_known"] += prompt
+                if prompt > 0:
+                    values["hit_ratio"].append(cached / prompt)
         if cost is not None:
             if cost.usd is None:
                 counts["unpriced"] += 1
             else:
                 counts["billed" if cost.billed else "estimated"] += max(0.0, cost.usd)
+        if len(durations) >= _LISTED:  # the lists stay bounded between two reads of the registry
+            kids.fold_values(self._batch)
+
+    def _series_for(self, model: str, status: int | None, stream: bool) -> _Series:
+        """The series of a request of ``model`` answered ``status``; also cached under those very
+        values while they are few (the model is the client's string: :data:`_RAW_SERIES`)."""
+        label = self.model_label(model)
+        status_class = _status_class(status)
+        kids = self._request_series.get((label, status_class, stream))
+        if kids is None:
+            kids = self._request_series[(label, status_class, stream)] = self._series_of(label, status_class, stream)
+        if len(self._raw_series) < _RAW_SERIES:
+            self._raw_series[(model, status, stream)] = kids
+        return kids
 
     def _series_of(self, label: str, status_class: str, stream: bool) -> _Series:
         streamed = "true" if stream else "false"
@@ -545,27 +598,6 @@ class ProxyMetrics:
             "cache_known": (self.cache_known_prompt_tokens, one),
             "hit_ratio": (self.cache_hit_ratio, one),
         })
-
-    def _observe_usage(self, batch: _Batch, kids: _Series, counts: defaultdict[str, float], usage: Usage) -> None:
-        prompt = usage.prompt_tokens
-        if prompt and prompt > 0:
-            counts["prompt"] += prompt
-        if usage.completion_tokens and usage.completion_tokens > 0:
-            counts["completion"] += usage.completion_tokens
-        if usage.reasoning_tokens and usage.reasoning_tokens > 0:
-            counts["reasoning"] += usage.reasoning_tokens
-        if usage.cache_write_tokens and usage.cache_write_tokens > 0:
-            counts["cache_write"] += usage.cache_write_tokens
-        cached = usage.cached_tokens
-        if cached is None or prompt is None:
-            # Without both numbers the response says nothing about the hit ratio.
-            counts["unknown_cache"] += 1
-            return
-        cached = min(max(cached, 0), max(prompt, 0))
-        counts["cached"] += cached
-        counts["cache_known"] += prompt
-        if prompt > 0:
-            batch.observe(kids("hit_ratio"), cached / prompt)
 
     def observe_repairs(self, kinds: Iterable[str], rescued_tokens: int, model: str) -> None:
         """Count the repairs of one request (one per repaired element, by kind) and the tokens rescued."""

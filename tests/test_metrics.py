@@ -299,3 +299,33 @@ def test_promtool_check_metrics_passes() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_many_requests_between_reads_are_counted_exactly_within_bounded_lists(
+    metrics: ProxyMetrics, registry: CollectorRegistry
+) -> None:
+    """Observations wait for a read of the registry in lists per series; past a bound a list
+    goes to the histogram buckets at once. However many requests came between two reads, the
+    read sees each of them once, and no list ever holds more than the bound."""
+    from proxy.metrics import _LISTED
+
+    n = 3 * _LISTED + 7
+    durations = [0.001 * (i % 97) for i in range(n)]
+    for i, d in enumerate(durations):
+        observe(metrics, duration=d, ttfb=d / 2, usage=usage(100, 5, i % 101), stream=False)
+        longest = max((len(v) for s in metrics._raw_series.values() for v in s.values.values()), default=0)
+        assert longest < _LISTED, (i, [(k, len(v)) for s in metrics._raw_series.values() for k, v in s.values.items()])
+    labels = {"model": "gpt-4o", "stream": "false"}
+    assert value(registry, "kvwarm_request_duration_seconds_count", **labels) == n
+    assert value(registry, "kvwarm_request_duration_seconds_sum", **labels) == pytest.approx(sum(durations))
+    below = sum(1 for d in durations if d <= 0.05)
+    assert value(registry, "kvwarm_request_duration_seconds_bucket", le="0.05", **labels) == below
+    assert value(registry, "kvwarm_upstream_ttfb_seconds_count", **labels) == n
+    ratios = [min(i % 101, 100) / 100 for i in range(n)]
+    assert value(registry, "kvwarm_request_cache_hit_ratio_count", model="gpt-4o") == n
+    assert value(registry, "kvwarm_request_cache_hit_ratio_sum", model="gpt-4o") == pytest.approx(sum(ratios))
+    assert value(registry, "kvwarm_requests_total", status="2xx", **labels) == n
+    # A second read adds nothing; the next request is seen once more.
+    assert value(registry, "kvwarm_request_duration_seconds_count", **labels) == n
+    observe(metrics, duration=0.2, stream=False)
+    assert value(registry, "kvwarm_request_duration_seconds_count", **labels) == n + 1

@@ -387,22 +387,10 @@ def _chain(
         identities = (tools_id, *[msg_ids[r] for r in order])
         clean_sizes = (-1, *[sizes[r] for r in order])
         forwarded_dumped = (None, *[dumped[r] for r in order]) if dumped is not None else ()
+    # Positional, in field order: keyword arguments cost a value's constructor about twice as much.
     return Match(
-        root=root,
-        identities=identities,
-        keys=tuple(keys),
-        order=tuple(order),
-        matched=len(nodes),
-        nodes=tuple(nodes),
-        policy=policy,
-        clean_sizes=clean_sizes,
-        dumped=forwarded_dumped,
-        message_ids=tuple(msg_ids),
-        message_sizes=tuple(sizes),
-        message_dumped=tuple(dumped) if dumped is not None else (),
-        clean=clean,
-        tools_clean=tools_clean,
-        ordered=ordered,
+        root, identities, tuple(keys), tuple(order), len(nodes), tuple(nodes), policy, clean_sizes, forwarded_dumped,
+        tuple(msg_ids), tuple(sizes), tuple(dumped) if dumped is not None else (), clean, tools_clean, ordered,
     )
 
 

@@ -204,19 +204,18 @@ def turn_write(
     if leaf is None:
         return None
     brk = plan.broke
+    prompt = cached = completion = 0
+    unknown_cache = 1
+    if usage is not None:
+        prompt = usage.prompt_tokens or 0
+        cached = usage.cached_tokens or 0
+        completion = usage.completion_tokens or 0
+        unknown_cache = 1 if usage.cached_tokens is None else 0
+    # Positional, in field order (turns, prompt, cached, completion, unknown-cache turns, cost,
+    # billed, repaired, last break, model, created, updated): a keyword call costs twice as much.
     totals = SessionTotals(
-        turns=1,
-        prompt_tokens=(usage.prompt_tokens or 0) if usage else 0,
-        cached_tokens=(usage.cached_tokens or 0) if usage else 0,
-        completion_tokens=(usage.completion_tokens or 0) if usage else 0,
-        unknown_cache_turns=1 if usage is None or usage.cached_tokens is None else 0,
-        cost_usd=(cost.usd or 0.0) if cost else 0.0,
-        billed=bool(cost and cost.billed),
-        repaired=len(plan.repair.repairs),
-        last_break=brk.reason if brk is not None else "",
-        model=model,
-        created=now,
-        updated=now,
+        1, prompt, cached, completion, unknown_cache, (cost.usd or 0.0) if cost else 0.0, bool(cost and cost.billed),
+        len(plan.repair.repairs), brk.reason if brk is not None else "", model, now, now,
     )
     return TurnWrite(tuple(drafts), match.keys[: match.matched], leaf, totals, now, match.root)
 
