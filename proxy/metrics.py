@@ -173,11 +173,11 @@ RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 _MAX_LABEL_LEN = 100
 _MAX_VOCABULARY = 50
+"""Cap on distinct ``kind`` / ``reason`` values: they are kvwarm's own words, but never unbounded."""
 _RAW_SERIES = 1024
+"""Most (model string, status, stream) values the request series are cached under."""
 _LISTED = 256
 """Most observations a request series lists before they go to the batch's histogram buckets."""
-"""Most (model string, status, stream) values the request series are cached under."""
-"""Cap on distinct ``kind`` / ``reason`` values: they are kvwarm's own words, but never unbounded."""
 
 
 class StoreStatsLike(Protocol):
@@ -265,12 +265,16 @@ class _Series:
     """The children one request observes, for one (model, status class, stream), by name: each
     looked up once, when first observed (a series no request observed is not exported)."""
 
-    __slots__ = ("_child", "_kids", "_table", "pending", "values")
+    __slots__ = ("_child", "_kids", "_table", "pending", "success", "values")
 
-    def __init__(self, child: Callable[..., Any], table: dict[str, tuple[Any, tuple[str, ...]]]) -> None:
+    def __init__(
+        self, child: Callable[..., Any], table: dict[str, tuple[Any, tuple[str, ...]]], *, success: bool = False
+    ) -> None:
         self._child = child
         self._table = table
         """name -> (metric, its label values for this series)."""
+        self.success = success
+        """The series of 2xx responses (those count a missing usage block)."""
         self._kids: dict[str, Any] = {}
         self.pending: defaultdict[str, float] | None = None
         """Counter increments by name not added to the batch yet (None: none); see :meth:`fold`."""
@@ -535,7 +539,7 @@ class ProxyMetrics:
         if ttfb is not None:
             values["ttfb"].append(ttfb if ttfb > 0.0 else 0.0)
         if usage is None:
-            if type(status) is int and 200 <= status < 300:
+            if kids.success:
                 counts["usage_missing"] += 1
         else:
             prompt = usage.prompt_tokens
@@ -597,7 +601,7 @@ class ProxyMetrics:
             "cached": (self.cached_prompt_tokens, one),
             "cache_known": (self.cache_known_prompt_tokens, one),
             "hit_ratio": (self.cache_hit_ratio, one),
-        })
+        }, success=status_class == "2xx")
 
     def observe_repairs(self, kinds: Iterable[str], rescued_tokens: int, model: str) -> None:
         """Count the repairs of one request (one per repaired element, by kind) and the tokens rescued."""
