@@ -285,23 +285,14 @@ def _match_after(
 ) -> Match:
     """:func:`match_request` for a body whose first ``k`` messages ``before`` matched in order
     (and with the same ``tools`` object: ``tools_clean`` when it needed no repair then)."""
-    dumped: list[bytes | None] | None = None
-    if memo is not None and len(before.message_dumped) >= k:
-        dumped = list(before.message_dumped)
-        del dumped[k:]
+    dumped: list[bytes | None] | None = list(before.message_dumped[:k]) if memo is not None else None
+    if dumped is not None and len(dumped) < k:
+        dumped = None
     new_ids, new_sizes = identify_messages(messages[k:], policy, memo, dumped)
-    msg_ids = list(before.message_ids)
-    del msg_ids[k:]
-    msg_ids += new_ids
-    sizes = list(before.message_sizes)
-    del sizes[k:]
-    sizes += new_sizes
-    keys = list(before.keys)
-    del keys[k + 1 :]
-    nodes = list(before.nodes)
-    del nodes[k + 1 :]
+    msg_ids = [*before.message_ids[:k], *new_ids]
+    sizes = [*before.message_sizes[:k], *new_sizes]
     return _chain(
-        messages, k, keys, nodes, list(range(k)), True,
+        messages, k, list(before.keys[: k + 1]), list(before.nodes[: k + 1]), list(range(k)), True,
         msg_ids, sizes, dumped, before.identities[0], before.root, store, policy, memo, min(clean, k), tools_clean,
     )
 
@@ -434,8 +425,7 @@ def new_nodes(
     stored = match.nodes
     tenant = stored[0].tenant if stored else root
     parent = stored[-1].key if stored else root
-    depth = match.matched
-    if depth < len(keys):
+    if match.matched < len(keys):
         elements = forwarded_elements(match, forwarded)
         # Past the matched prefix the forwarded elements are the client's own (repair stops
         # there): the bytes identification serialized are theirs.
@@ -453,10 +443,8 @@ def new_nodes(
                 )
             )
             parent = key
-        depth += 1
-    if not replies:
-        return out
-    parent = out[-1].key if out else (stored[-1].key if len(stored) == len(keys) else keys[-1])
+    # The reply follows the request's last element (``parent`` now).
+    depth = len(keys)
     lookup = memo.get if memo is not None else None
     policy = match.policy
     for message in replies:
