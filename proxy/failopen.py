@@ -11,7 +11,7 @@ on every request (and the observers', run on every event of a stream), are writt
 cost until something fails (the context manager is three Python calls, about 0.3 µs).
 
 In the style of httpcore's ``map_exceptions``: errors are mapped once, at the
-boundary, never by hand-written try/except blocks in each stage. The pure core
+boundary (``fail``), never by hand-written handling in each stage. The pure core
 takes a guard as an argument; :data:`STRICT` re-raises (tests, tools), so a bug
 in the core is never hidden outside the proxy.
 """
