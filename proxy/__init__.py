@@ -2,4 +2,8 @@
 
 from __future__ import annotations
 
+from . import native
+
 __version__ = "0.1.0"
+
+native.activate()  # the compiled request path, or every module from its source (proxy/native.py)

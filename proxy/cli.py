@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
+from . import __version__, native
 from .config import Settings, load_settings
 from .errors import ConfigError, KvwarmError
 
@@ -217,7 +217,8 @@ async def _serve(app: web.Application, settings: Settings) -> None:
     runner, site = await start_server(app, settings, handle_signals=True)
     try:
         log.info(
-            "kvwarm listening on http://%s:%d/v1 -> %s", settings.server.host, site.port, ", ".join(settings.upstream.base_url)
+            "kvwarm listening on http://%s:%d/v1 -> %s (request path %s)",
+            settings.server.host, site.port, ", ".join(settings.upstream.base_url), native.state(),
         )
         await asyncio.Event().wait()  # until cancelled
     finally:

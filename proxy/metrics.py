@@ -86,8 +86,9 @@ after :meth:`ProxyMetrics.track_store`)
   ``kvwarm_store_nodes``, ``kvwarm_store_bytes``, ``kvwarm_store_sessions``,
   ``kvwarm_store_corrupt_entries`` (entries that failed to decode since start).
 
-  ``kvwarm_build_info{version}`` (gauge)
-      Always 1; the running version as a label.
+  ``kvwarm_build_info{version,native}`` (gauge)
+      Always 1; the running version as a label, and ``native``: ``compiled`` when the request
+      path runs compiled with mypyc, ``pure`` when it runs as plain Python (:mod:`proxy.native`).
 
 Batches
   The request path's observations (every counter and histogram above but
@@ -123,12 +124,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
+from mypy_extensions import mypyc_attr
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import proxy
 from proxy.core.pricing import Cost
 from proxy.core.usage import Usage
+
+from .native import native_label
 
 __all__ = ["ERROR_STAGES", "ProxyMetrics"]
 
@@ -321,6 +325,7 @@ class _FlushOnRead:
         return []
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the fail-open tests subclass it (proxy/native.py)
 class ProxyMetrics:
     """kvwarm's metric definitions and the helpers the pipeline calls to observe a request."""
 
@@ -487,12 +492,12 @@ class ProxyMetrics:
         self._merged: CollectorRegistry | None = None
         self.build_info = Gauge(
             "kvwarm_build_info",
-            "Always 1; the running kvwarm version.",
-            ("version",),
+            "Always 1; the running kvwarm version, and whether its request path is compiled.",
+            ("version", "native"),
             registry=registry,
             multiprocess_mode="livemax",
         )
-        self.build_info.labels(version=proxy.__version__).set(1)
+        self.build_info.labels(version=proxy.__version__, native=native_label()).set(1)
         # Start every known stage at 0 so rate() and absent-series alerts work from the first scrape.
         for stage in ERROR_STAGES:
             self.errors.labels(stage=stage)

@@ -213,7 +213,8 @@ def test_store_gauges(metrics: ProxyMetrics, registry: CollectorRegistry) -> Non
 
 
 def test_build_info(registry: CollectorRegistry, metrics: ProxyMetrics) -> None:
-    assert value(registry, "kvwarm_build_info", version=proxy.__version__) == 1
+    assert value(registry, "kvwarm_build_info", version=proxy.__version__, native=proxy.native.native_label()) == 1
+    assert proxy.native.native_label() == ("compiled" if proxy.native.state() == "compiled" else "pure")
 
 
 def test_two_instances_do_not_share_state() -> None:

@@ -30,7 +30,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -362,7 +362,7 @@ def _canon_tool_calls(calls: Any) -> Any:
     return [orjson.Fragment(k) for _id, k in keys]
 
 
-def canonical_message(msg: Mapping[str, Any], policy: Policy | None = None) -> dict[str, Any]:
+def canonical_message(msg: Mapping[Any, Any], policy: Policy | None = None) -> dict[Any, Any]:
     """The normalized message whose sorted-keys JSON is hashed (tool calls embedded as JSON fragments)."""
     pins = policy.pins(msg.get("role")) if policy is not None else ()
     out: dict[str, Any] = {}
@@ -428,15 +428,15 @@ class IdentityMemo:
 
     __slots__ = ("_entries", "_objects", "_size", "_tools", "_tools_size", "max_bytes")
 
-    ENTRY_OVERHEAD = 256
+    ENTRY_OVERHEAD: ClassVar[int] = 256
     """Bytes per entry beyond its key's length, measured on CPython 3.11: the key's ``bytes``
     header (33, rounded with the data to pymalloc's 16-byte classes: counted apart), the value
     tuple (56 -> 64), the 16-byte identity (49 -> 64), the clean size (an int, 28 -> 32) and the
     dict entry (60-120 under churn: 96)."""
-    HELD_OVERHEAD = 240
+    HELD_OVERHEAD: ClassVar[int] = 240
     """Bytes per held object beyond the object: the :class:`Held` (96), the dict entry (96), the
     ``id`` int (32), a share of the keys (interned with the match's)."""
-    TOOLS_ENTRY_OVERHEAD = 160
+    TOOLS_ENTRY_OVERHEAD: ClassVar[int] = 160
     """Bytes per tool set beyond its key's length: the identity (64) and the dict entry (96)."""
     MAX_TOOL_SETS = 256
 

@@ -34,7 +34,7 @@ import itertools
 import re
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 
@@ -58,41 +58,6 @@ _TRIES = 4
 """Places tried for the array when a body is first remembered."""
 _WINDOW = 64
 """Bytes compared first, just before a message's end."""
-
-
-@value
-class Recalled:
-    """A body rebuilt from a remembered one and its own new bytes."""
-
-    body: dict[str, Any]
-    """The parsed body (a new dict and ``messages`` list; the shared messages are the remembered objects)."""
-    shared: int
-    """Leading messages taken from the remembered body."""
-    tag: Any
-    """What the caller attached when it remembered that body (the wire API that parsed it)."""
-    source: _Body
-    cut: int
-    """Where the shared messages end in the new bytes."""
-    close: int
-    """Where the new body's ``messages`` array closes (its ``]``)."""
-    ends: list[int] | None = None
-    """Where each new message ends, when they were delimited to rebuild the body."""
-
-    @property
-    def known(self) -> KnownPrefix | None:
-        """How the shared messages were matched the turn before (None: not known, or the body
-        was planned on a view: see :meth:`known_view`)."""
-        return self.known_view(self.shared) if self.source.spans is None else None
-
-    def known_view(self, messages: int) -> KnownPrefix | None:
-        """How the first ``messages`` messages planned the turn before were matched: the caller's
-        view of this body must begin with those very objects (``source.messages``)."""
-        source = self.source
-        if source.match is None:
-            return None
-        return KnownPrefix(
-            messages, source.match, source.clean, source.top.get("tools"), source.messages, source.tools_clean
-        )
 
 
 class _Body:
@@ -244,14 +209,49 @@ class _Body:
         return Recalled(body, k, self.tag, self, cut, close, ends)
 
 
+@value
+class Recalled:
+    """A body rebuilt from a remembered one and its own new bytes."""
+
+    body: dict[str, Any]
+    """The parsed body (a new dict and ``messages`` list; the shared messages are the remembered objects)."""
+    shared: int
+    """Leading messages taken from the remembered body."""
+    tag: Any
+    """What the caller attached when it remembered that body (the wire API that parsed it)."""
+    source: _Body
+    cut: int
+    """Where the shared messages end in the new bytes."""
+    close: int
+    """Where the new body's ``messages`` array closes (its ``]``)."""
+    ends: list[int] | None = None
+    """Where each new message ends, when they were delimited to rebuild the body."""
+
+    @property
+    def known(self) -> KnownPrefix | None:
+        """How the shared messages were matched the turn before (None: not known, or the body
+        was planned on a view: see :meth:`known_view`)."""
+        return self.known_view(self.shared) if self.source.spans is None else None
+
+    def known_view(self, messages: int) -> KnownPrefix | None:
+        """How the first ``messages`` messages planned the turn before were matched: the caller's
+        view of this body must begin with those very objects (``source.messages``)."""
+        source = self.source
+        if source.match is None:
+            return None
+        return KnownPrefix(
+            messages, source.match, source.clean, source.top.get("tools"), source.messages, source.tools_clean
+        )
+
+
 class PrefixMemo:
     """Recent bodies per scope, bounded by ``max_bytes`` (what they hold, counted twice their bytes).
 
     Owned by its caller (one per identity memo, so per policy); not thread-safe."""
 
-    MAX_BODIES = 64
+    MAX_BODIES: ClassVar[int] = 64
     """Bodies kept per scope: a tenant's sessions in parallel, each continuing its own."""
-    SEARCHED = 4
+    SEARCHED: ClassVar[int] = 4
     """Bodies searched for the longest shared start when none is continued."""
 
     def __init__(self, memo: IdentityMemo, max_bytes: int = 64 * 1024 * 1024) -> None:

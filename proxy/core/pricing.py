@@ -33,6 +33,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 import proxy
 from proxy.core.usage import Usage
 from proxy.errors import ConfigError
@@ -86,6 +88,7 @@ class Cost:
     """True when taken from the provider's billing block rather than estimated."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the tests subclass it (proxy/native.py)
 class PriceTable:
     """Model name -> :class:`Price`, with aliases and forgiving name resolution."""
 

@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from .base import Node, SessionInfo, SessionTotals, StoreStats
 from .memory_costs import (
     BLOB_HASH_SIZE,
@@ -74,6 +76,7 @@ __all__ = [
 _NEVER = float("-inf")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # SqliteStore and the tests subclass it (proxy/native.py)
 class MemoryStore:
     """A :class:`~proxy.store.base.TranscriptStore` held entirely in memory.
 

@@ -226,17 +226,24 @@ async def test_a_resent_conversation_is_planned_from_the_previous_turn(make_sim:
     pipeline = kvwarm.app[PIPELINE]
     recalls: list[Any] = []
     plans: list[Any] = []
-    recall, plan = pipeline.resent.recall, pipeline.plan
+    plan = pipeline.plan
 
-    def recalling(scope: Any, raw: bytes) -> Any:
-        recalls.append(recall(scope, raw))
-        return recalls[-1]
+    class Recalling:  # the pipeline's prefix memo, its recalls listed (a compiled one takes no patch)
+        def __init__(self, memo: Any) -> None:
+            self.memo = memo
+
+        def recall(self, scope: Any, raw: bytes) -> Any:
+            recalls.append(self.memo.recall(scope, raw))
+            return recalls[-1]
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.memo, name)
 
     def planning(*args: Any) -> Any:
         plans.append(plan(*args))
         return plans[-1]
 
-    pipeline.resent.recall = recalling  # type: ignore[method-assign]
+    pipeline.resent = Recalling(pipeline.resent)
     pipeline.plan = planning  # type: ignore[method-assign]
     agent = ResponsesAgent(poster(kvwarm), drift=no_drift, parallel=True, reasoning=True)
     await agent.run(6)
@@ -250,7 +257,11 @@ async def test_a_resent_conversation_is_planned_from_the_previous_turn(make_sim:
     # The same conversation through a kvwarm that parses and plans every body whole: the same answers.
     whole_sim = await make_sim()
     whole = await make_proxy(whole_sim)
-    whole.app[PIPELINE].resent.recall = lambda scope, raw: None  # type: ignore[method-assign]
+    class Forgetting(Recalling):  # remembers, never recalls: every body parsed and planned whole
+        def recall(self, scope: Any, raw: bytes) -> Any:
+            return None
+
+    whole.app[PIPELINE].resent = Forgetting(whole.app[PIPELINE].resent)
     reference = ResponsesAgent(poster(whole), drift=no_drift, parallel=True, reasoning=True)
     await reference.run(6)
     assert [len(t.request["input"]) for t in agent.turns] == [len(t.request["input"]) for t in reference.turns]

@@ -1,0 +1,169 @@
+"""The compiled request path (proxy/native.py, proxy/build.py): used only when it was built
+from the very sources beside it, and answering exactly as the plain Python does."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp.test_utils import TestServer
+
+import proxy
+from proxy import native
+from proxy.sim.server import SimConfig, create_sim_app
+from tests.agents import Agent, args_keys_reordered, tool_results_reordered, tools_reordered
+from tests.conftest import received
+from tests.test_serve import free_port, wait_ready
+
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def test_the_suite_runs_the_request_path_compiled() -> None:
+    """`make test` compiles first: the suite tests what `make run` serves. (KVWARM_PURE=1 runs it
+    as plain Python on purpose.)"""
+    if os.environ.get(native.PURE_ENV, "") not in ("", "0"):
+        assert native.state() == f"pure: {native.PURE_ENV}=1"
+        return
+    assert native.state() == "compiled", f"{native.state()}: run `make compile` (or `make test`)"
+    import proxy.core.match
+    import proxy.store.memory
+
+    for module in (proxy.core.match, proxy.store.memory):
+        assert module.__file__ is not None and module.__file__.endswith(SUFFIX)
+
+
+def package_copy(tmp_path: Path, *, built: bool) -> Path:
+    """The package's sources in ``tmp_path``; with ``built``, a manifest of them and an
+    extension module beside each compiled one that cannot be loaded (garbage bytes): importing
+    one means the sources were passed over."""
+    shutil.copytree(Path(proxy.__file__).parent, tmp_path / "proxy", ignore=shutil.ignore_patterns("*.so", "__pycache__", "_native.sha256"))
+    if built:
+        copy = tmp_path / "proxy"
+        for module in native.COMPILED:
+            copy.joinpath(*module.split(".")[1:]).with_suffix(SUFFIX).write_bytes(b"not an extension module")
+        (copy / native.MANIFEST.name).write_text(native.fingerprint() + "\n")
+    return tmp_path
+
+
+def imported(root: Path, **env: str) -> tuple[str, str]:
+    """``proxy.native.state()`` and where ``proxy.core.match`` came from, in a fresh interpreter on ``root``."""
+    code = "import proxy, proxy.core.match as m, proxy.store.memory; print(proxy.native.state()); print(m.__file__)"
+    clean = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env={**clean, "PYTHONPATH": str(root), **env},
+        capture_output=True, text=True, timeout=60,
+    )
+    if done.returncode != 0:
+        return "failed", done.stderr.strip().splitlines()[-1]
+    state, file = done.stdout.strip().splitlines()
+    return state, file
+
+
+def test_a_build_of_the_same_sources_is_what_gets_imported(tmp_path: Path) -> None:
+    """The control: with the manifest matching, the extension modules are imported (here they
+    are garbage, so the import fails): the tests below pass over them for their reason only."""
+    root = package_copy(tmp_path, built=True)
+    state, error = imported(root)
+    assert state == "failed" and "ImportError" in error
+
+
+def test_an_edited_source_is_imported_from_source(tmp_path: Path) -> None:
+    root = package_copy(tmp_path, built=True)
+    with (root / "proxy" / "core" / "match.py").open("a") as f:
+        f.write("\n# edited after the build\n")
+    state, file = imported(root)
+    assert state == "pure: the sources changed since they were compiled (make compile)"
+    assert file == str(root / "proxy" / "core" / "match.py")
+
+
+def test_an_edit_to_any_compiled_module_passes_over_all_of_them(tmp_path: Path) -> None:
+    """Compiled modules call each other natively: one stale module means none is used."""
+    root = package_copy(tmp_path, built=True)
+    with (root / "proxy" / "store" / "memory_sessions.py").open("a") as f:
+        f.write("\n")
+    state, file = imported(root)
+    assert state.startswith("pure: the sources changed") and file.endswith("match.py")
+
+
+@pytest.mark.parametrize(
+    ("built", "env", "why"),
+    [
+        (True, {native.PURE_ENV: "1"}, f"{native.PURE_ENV}=1"),
+        (False, {}, "not compiled (make compile)"),
+    ],
+)
+def test_plain_python_when_asked_or_not_built(tmp_path: Path, built: bool, env: dict[str, str], why: str) -> None:
+    root = package_copy(tmp_path, built=built)
+    state, file = imported(root, **env)
+    assert (state, file) == (f"pure: {why}", str(root / "proxy" / "core" / "match.py"))
+
+
+def test_a_missing_extension_module_means_plain_python(tmp_path: Path) -> None:
+    root = package_copy(tmp_path, built=True)
+    (root / "proxy" / "core" / f"plan{SUFFIX}").unlink()
+    assert imported(root)[0] == "pure: an extension module is missing (make compile)"
+
+
+def test_the_fingerprint_covers_sources_names_and_interpreter() -> None:
+    base = native.fingerprint()
+    assert native.fingerprint(native.COMPILED[:-1]) != base
+    assert native.fingerprint(tuple(reversed(native.COMPILED))) != base
+    assert native.fingerprint() == base
+
+
+async def serve(sim: TestServer, **env: str) -> tuple[Any, str]:
+    import asyncio
+
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--port", str(port), "--upstream", str(sim.make_url("/v1")),
+        "--store", "memory", env={**clean, **env}, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    await wait_ready(f"{base}/readyz", proc)
+    return proc, base
+
+
+@pytest.mark.parametrize("drift", [args_keys_reordered, tools_reordered, tool_results_reordered])
+async def test_compiled_and_plain_python_answer_alike(aiohttp_server: Any, drift: Any) -> None:
+    """The same drifting agent through a compiled kvwarm and a plain Python one: the same bytes
+    upstream (repaired alike), the same prefix headers, and each says how it runs."""
+    import aiohttp
+
+    results = []
+    for env in ({}, {native.PURE_ENV: "1"}):
+        sim = await aiohttp_server(create_sim_app(SimConfig()))
+        proc, base = await serve(sim, **env)
+        try:
+            async with aiohttp.ClientSession() as session:
+
+                async def post(body: dict[str, Any], session: aiohttp.ClientSession = session, base: str = base) -> dict[str, Any]:
+                    async with session.post(f"{base}/v1/chat/completions", data=orjson.dumps(body), headers={"authorization": "Bearer sk-native"}) as r:
+                        assert r.status == 200
+                        answer: dict[str, Any] = await r.json()
+                        answer["_headers"] = {k.lower(): v for k, v in r.headers.items() if k.lower().startswith("x-kvwarm")}
+                        return answer
+
+                agent = Agent(post, drift=drift)
+                await agent.run(5)
+                async with session.get(f"{base}/metrics") as r:
+                    exposition = await r.text()
+        finally:
+            proc.terminate()
+            await proc.wait()
+        build = next(line for line in exposition.splitlines() if line.startswith("kvwarm_build_info{"))
+        results.append(([r.body for r in received(sim)], [t.response["_headers"] for t in agent.turns], build))
+    (compiled_bodies, compiled_headers, compiled_build), (pure_bodies, pure_headers, pure_build) = results
+    assert 'native="compiled"' in compiled_build and 'native="pure"' in pure_build
+    assert compiled_bodies == pure_bodies
+    assert compiled_headers == pure_headers
+    repaired = [int(h["x-kvwarm-prefix"].split("repaired=")[1].split(";")[0]) for h in compiled_headers]
+    assert sum(repaired) > 0, "the drift was repaired"
