@@ -69,6 +69,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 import orjson
 
@@ -192,7 +193,8 @@ def _plan(edits: Sequence[Edit]) -> _Node:
     for edit in edits:
         path = edit.path
         node = root
-        for step in path:
+        steps: Sequence[Any] = path  # each step is checked here, whatever its annotation says
+        for step in steps:
             if not (type(step) is str or (type(step) is int and step >= 0)):
                 raise _Refused("invalid_edit", path)
             node = node.children.setdefault(step, _Node())
