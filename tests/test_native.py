@@ -111,6 +111,61 @@ def test_a_missing_extension_module_means_plain_python(tmp_path: Path) -> None:
     assert imported(root)[0] == "pure: an extension module is missing (make compile)"
 
 
+TRACEBACK = """
+import logging, traceback
+import proxy
+from proxy.core.identity import IdentityMemo
+from proxy.core.match import match_request
+from proxy.core.policy import Policy
+from proxy.failopen import FailOpen
+
+class Exploding:  # a store view whose every read fails
+    def __getattr__(self, name):
+        raise RuntimeError("store exploded")
+
+logging.basicConfig(level=logging.ERROR)
+body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
+try:
+    match_request(body, b"r" * 16, Exploding(), Policy(), IdentityMemo(), None)
+except RuntimeError as exc:
+    print("".join(traceback.format_exception(exc)))
+    FailOpen().fail("match", exc)  # the guard's log line, with the traceback
+print(proxy.native.state())
+"""
+
+
+def test_a_traceback_through_compiled_code_is_formatted(tmp_path: Path) -> None:
+    """A fail-open error raised under compiled frames is logged with its traceback: formatting
+    it must not crash the interpreter (a compiled coroutine's did, on 3.11.7: proxy/native.py)."""
+    done = subprocess.run([sys.executable, "-c", TRACEBACK], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "store exploded" in done.stdout and "match_request" in done.stdout
+    assert "match failed; going on without it (fail open)" in done.stderr and "store exploded" in done.stderr
+    assert done.stdout.strip().endswith(native.state())
+
+
+@pytest.mark.parametrize("seed", [7, 2026])
+def test_odd_conversations_fare_alike_compiled_and_as_plain_python(seed: int) -> None:
+    """1 200 requests of odd and drifted conversations (tests/native_fuzz.py) through the stages:
+    the same forwarded bytes, matches, repairs, breaks, replies, usage, nodes and fail-open
+    stages, compiled and as plain Python (mypyc's run-time annotation checks must not turn a
+    client's odd value into an error only the compiled build has)."""
+    runs = []
+    for env in ({}, {native.PURE_ENV: "1"}):
+        clean = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.native_fuzz", str(seed), "400"], env={**clean, **env},
+            capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(done.stdout.splitlines())
+    (compiled_state, *compiled), (pure_state, *pure) = runs
+    why = native.stale()
+    assert (compiled_state, pure_state) == ("compiled" if why is None else f"pure: {why}", f"pure: {native.PURE_ENV}=1")
+    assert len(compiled) == 1200 and compiled == pure
+    assert sum('"whitespace"' in line or '"arguments"' in line for line in pure) > 100, "drift was repaired"
+
+
 def test_the_fingerprint_covers_sources_names_and_interpreter() -> None:
     base = native.fingerprint()
     assert native.fingerprint(native.COMPILED[:-1]) != base
