@@ -59,9 +59,10 @@ COMPILED: tuple[str, ...] = (
     "proxy.wire.responses",
 )
 """The modules a request runs through: typed strictly, no runtime-checked protocols, no
-aiohttp decorators, no generic classes. The relay, the transport and the pipeline stay plain
-Python: compiled coroutines crashed while a traceback of theirs was formatted, and tests patch
-the pipeline's methods; so do the SSE reader (its test counts calls to the general parser) and
+aiohttp decorators, no generic classes. The relay, the transport, the upstream and the pipeline
+stay plain Python: compiled coroutines crashed the interpreter when a traceback through them, or
+a failed callback holding one, was formatted (CPython 3.11.7), and tests patch the pipeline's
+methods; so do the SSE reader (its test counts calls to the general parser) and
 the repair planner (its fault test replaces its serializer)."""
 
 _state = "pure: not compiled (make compile)"
