@@ -3,6 +3,7 @@ from the very sources beside it, and answering exactly as the plain Python does.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.machinery
 import os
 import shutil
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 from aiohttp.test_utils import TestServer
@@ -23,6 +25,11 @@ from tests.conftest import received
 from tests.test_serve import free_port, wait_ready
 
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def environ(**env: str) -> dict[str, str]:
+    """This process's environment without ``KVWARM_PURE``, plus ``env``."""
+    return {**{k: v for k, v in os.environ.items() if k != native.PURE_ENV}, **env}
 
 
 def test_the_suite_runs_the_request_path_compiled() -> None:
@@ -55,9 +62,8 @@ def package_copy(tmp_path: Path, *, built: bool) -> Path:
 def imported(root: Path, **env: str) -> tuple[str, str]:
     """``proxy.native.state()`` and where ``proxy.core.match`` came from, in a fresh interpreter on ``root``."""
     code = "import proxy, proxy.core.match as m, proxy.store.memory; print(proxy.native.state()); print(m.__file__)"
-    clean = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, env={**clean, "PYTHONPATH": str(root), **env},
+        [sys.executable, "-c", code], cwd=root, env=environ(PYTHONPATH=str(root), **env),
         capture_output=True, text=True, timeout=60,
     )
     if done.returncode != 0:
@@ -152,9 +158,8 @@ def test_odd_conversations_fare_alike_compiled_and_as_plain_python(seed: int) ->
     client's odd value into an error only the compiled build has)."""
     runs = []
     for env in ({}, {native.PURE_ENV: "1"}):
-        clean = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
         done = subprocess.run(
-            [sys.executable, "-m", "tests.native_fuzz", str(seed), "400"], env={**clean, **env},
+            [sys.executable, "-m", "tests.native_fuzz", str(seed), "400"], env=environ(**env),
             capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
         )
         assert done.returncode == 0, done.stderr[-2000:]
@@ -174,13 +179,10 @@ def test_the_fingerprint_covers_sources_names_and_interpreter() -> None:
 
 
 async def serve(sim: TestServer, **env: str) -> tuple[Any, str]:
-    import asyncio
-
     port = free_port()
-    clean = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "proxy", "serve", "--port", str(port), "--upstream", str(sim.make_url("/v1")),
-        "--store", "memory", env={**clean, **env}, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        "--store", "memory", env=environ(**env), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
     await wait_ready(f"{base}/readyz", proc)
@@ -191,8 +193,6 @@ async def serve(sim: TestServer, **env: str) -> tuple[Any, str]:
 async def test_compiled_and_plain_python_answer_alike(aiohttp_server: Any, drift: Any) -> None:
     """The same drifting agent through a compiled kvwarm and a plain Python one: the same bytes
     upstream (repaired alike), the same prefix headers, and each says how it runs."""
-    import aiohttp
-
     results = []
     for env in ({}, {native.PURE_ENV: "1"}):
         sim = await aiohttp_server(create_sim_app(SimConfig()))

@@ -365,7 +365,7 @@ def _canon_tool_calls(calls: Any) -> Any:
 def canonical_message(msg: Mapping[Any, Any], policy: Policy | None = None) -> dict[Any, Any]:
     """The normalized message whose sorted-keys JSON is hashed (tool calls embedded as JSON fragments)."""
     pins = policy.pins(msg.get("role")) if policy is not None else ()
-    out: dict[str, Any] = {}
+    out: dict[Any, Any] = {}
     for k, v in msg.items():
         t = type(v)
         if t is str and k != "content":

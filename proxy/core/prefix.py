@@ -209,6 +209,8 @@ class _Body:
         return Recalled(body, k, self.tag, self, cut, close, ends)
 
 
+# Below _Body, which it names: compiled (proxy/native.py), a class annotation naming a class
+# defined later crashes the module's import.
 @value
 class Recalled:
     """A body rebuilt from a remembered one and its own new bytes."""
