@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -41,7 +41,6 @@ from .identity import REASONING_KEYS, canonical_tool_definition, is_text_part, m
 from .match import Match
 from .model import Node, NodeReader, chain
 from .policy import Policy
-from .values import value
 
 __all__ = ["REASONS", "Break", "Span", "diagnose", "span_of"]
 
@@ -88,14 +87,24 @@ class Span:
     """A ``pin_patterns`` regex matching that shape (empty when the span is too long to pin)."""
 
 
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class Break:
-    reason: str
+    reason: Final[str]
     """One of :data:`REASONS`."""
-    depth: int
+    depth: Final[int]
     """The first unmatched element (0 = tools)."""
-    span: Span | None
+    span: Final[Span | None]
     """The changed region, for content / system / tools changes."""
+
+    def __init__(
+        self,
+        reason: str,
+        depth: int,
+        span: Span | None,
+    ) -> None:
+        self.reason = reason
+        self.depth = depth
+        self.span = span
 
     @property
     def is_break(self) -> bool:

@@ -20,60 +20,94 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import field
+from dataclasses import dataclass
 from sys import intern
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
 from .identity import IdentityMemo, identify_message, identify_messages, tight, tools_identity
 from .model import ROLE_TOOLS, Node, NodeReader, chain, tenant_root
 from .policy import Policy
-from .values import value
 
 __all__ = ["Match", "chain", "match_request", "new_nodes", "tenant_root", "tool_groups"]
 
 _PERMUTATION_BUDGET = 256
 """Most store lookups spent looking for the stored order of one tool-result group."""
+_DEFAULT_POLICY: Final = Policy()
 
 
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class Match:
     """Where a request stands in the tree. Every per-element tuple is in *forwarded* order."""
 
-    root: bytes
+    root: Final[bytes]
     """The tenant root."""
-    identities: tuple[bytes, ...]
+    identities: Final[tuple[bytes, ...]]
     """Identity per forwarded element (0 = tools)."""
-    keys: tuple[bytes, ...]
+    keys: Final[tuple[bytes, ...]]
     """Chain hash per forwarded element."""
-    order: tuple[int, ...]
+    order: Final[tuple[int, ...]]
     """Forwarded message position -> request message index (identity permutation when nothing moved)."""
-    matched: int
+    matched: Final[int]
     """Elements ``0 .. matched-1`` are stored."""
-    nodes: tuple[Node, ...]
+    nodes: Final[tuple[Node, ...]]
     """The stored nodes of the matched prefix (``len == matched``)."""
-    policy: Policy = field(default_factory=Policy)
+    policy: Final[Policy]
     """The policy the identities were computed with (new nodes and diagnosis must use the same)."""
-    clean_sizes: tuple[int, ...] = ()
+    clean_sizes: Final[tuple[int, ...]]
     """Per forwarded element: ``len(orjson.dumps(element))`` when it needed no normalization, else -1.
     Lets repair prove "unchanged" without serializing the element again."""
-    dumped: tuple[bytes | None, ...] = ()
+    dumped: Final[tuple[bytes | None, ...]]
     """Per forwarded element (when an identity memo was used): its ``orjson.dumps`` bytes, or None."""
-    message_ids: tuple[bytes, ...] = ()
+    message_ids: Final[tuple[bytes, ...]]
     """Per *request* message (the client's order, collapsed duplicates included): its identity."""
-    message_sizes: tuple[int, ...] = ()
+    message_sizes: Final[tuple[int, ...]]
     """Per request message: its clean size (see ``clean_sizes``)."""
-    message_dumped: tuple[bytes | None, ...] = ()
+    message_dumped: Final[tuple[bytes | None, ...]]
     """Per request message (when an identity memo was used): its ``orjson.dumps`` bytes, or None
     (also for a message the memo recognised as an object it holds)."""
-    clean: int = 0
+    clean: Final[int]
     """Leading messages a previous plan of these very objects found forwarding their stored
     bytes (:class:`KnownPrefix`): repair need not compare them again."""
-    tools_clean: bool = False
+    tools_clean: Final[bool]
     """The ``tools`` value is the very object a previous plan found forwarding its stored bytes."""
-    ordered: bool = False
+    ordered: Final[bool]
     """Known to forward every request message in place (``order`` is ``0 .. n-1``); False: look at ``order``."""
+
+    def __init__(
+        self,
+        root: bytes,
+        identities: tuple[bytes, ...],
+        keys: tuple[bytes, ...],
+        order: tuple[int, ...],
+        matched: int,
+        nodes: tuple[Node, ...],
+        policy: Policy = _DEFAULT_POLICY,
+        clean_sizes: tuple[int, ...] = (),
+        dumped: tuple[bytes | None, ...] = (),
+        message_ids: tuple[bytes, ...] = (),
+        message_sizes: tuple[int, ...] = (),
+        message_dumped: tuple[bytes | None, ...] = (),
+        clean: int = 0,
+        tools_clean: bool = False,
+        ordered: bool = False,
+    ) -> None:
+        self.root = root
+        self.identities = identities
+        self.keys = keys
+        self.order = order
+        self.matched = matched
+        self.nodes = nodes
+        self.policy = policy
+        self.clean_sizes = clean_sizes
+        self.dumped = dumped
+        self.message_ids = message_ids
+        self.message_sizes = message_sizes
+        self.message_dumped = message_dumped
+        self.clean = clean
+        self.tools_clean = tools_clean
+        self.ordered = ordered
 
     @property
     def matched_messages(self) -> int:
@@ -86,7 +120,7 @@ class Match:
         return self.matched == len(self.keys)
 
 
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class KnownPrefix:
     """How the first messages of a body re-sent byte for byte were matched the turn before.
 
@@ -97,18 +131,34 @@ class KnownPrefix:
     its children). The work of a re-sent turn is then proportional to its new messages.
     """
 
-    messages: int
+    messages: Final[int]
     """Request messages ``0 .. messages-1`` are the remembered body's."""
-    match: Match
+    match: Final[Match]
     """The remembered body's match (its ``root`` and ``policy`` must be this request's)."""
-    clean: int
+    clean: Final[int]
     """Of them, the leading ones its plan found needing no repair."""
-    tools: Any
+    tools: Final[Any]
     """The remembered body's ``tools`` value (the very object)."""
-    held: Sequence[Any]
+    held: Final[Sequence[Any]]
     """The remembered body's messages (the very objects)."""
-    tools_clean: bool = False
+    tools_clean: Final[bool]
     """Its plan found the ``tools`` value needing no repair."""
+
+    def __init__(
+        self,
+        messages: int,
+        match: Match,
+        clean: int,
+        tools: Any,
+        held: Sequence[Any],
+        tools_clean: bool = False,
+    ) -> None:
+        self.messages = messages
+        self.match = match
+        self.clean = clean
+        self.tools = tools
+        self.held = held
+        self.tools_clean = tools_clean
 
     def usable(self, body: Mapping[str, Any], root: bytes, policy: Policy) -> int:
         """How many leading messages of ``body`` can be taken as matched (0: none)."""

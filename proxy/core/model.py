@@ -17,9 +17,9 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Final
 
-from .values import value
+from .reader import NodeReader
 
 __all__ = ["ROLE_TOOLS", "Node", "NodeReader", "SessionTotals", "TurnWrite", "chain", "tenant_root"]
 
@@ -39,33 +39,59 @@ ROLE_TOOLS = "tools"
 """Role of the pseudo-element 0 that holds a request's ``tools`` array."""
 
 
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class Node:
     """One element of a stored transcript, in the canonical form the provider first saw."""
 
-    key: bytes
+    key: Final[bytes]
     """Chain hash of this element (16 bytes)."""
-    parent: bytes
+    parent: Final[bytes]
     """Chain hash of the previous element; the tenant root for element 0."""
-    tenant: bytes
+    tenant: Final[bytes]
     """The tenant root (keyed hash of the credential; never the raw credential)."""
-    depth: int
+    depth: Final[int]
     """Position in the request: 0 = the tools pseudo-element, 1.. = messages[depth - 1]."""
-    role: str
+    role: Final[str]
     """``"tools"`` or the message role."""
-    identity: bytes
+    identity: Final[bytes]
     """Identity of the element (16 bytes): ``key == chain(parent, identity)``."""
-    body: bytes
+    body: Final[bytes]
     """Canonical JSON (orjson) of the element as forwarded upstream, or as generated:
     the message object, or for role ``"tools"`` the tools array (``[]`` when absent)."""
-    tokens: int = 0
-    """Token count of ``body`` (tiktoken cl100k), computed once when the node is created."""
-    generated: bool = False
+    tokens: Final[int]
+    """Token count of ``body`` (tiktoken cl100k), computed once when the node is created; 0 until then."""
+    generated: Final[bool]
     """An assistant reply kvwarm observed from the upstream (its body is the generated strings)."""
-    partial: bool = False
+    partial: Final[bool]
     """A generated reply whose stream ended before completion (what the client was delivered)."""
-    created: float = 0.0
+    created: Final[float]
     """Unix time of creation."""
+
+    def __init__(
+        self,
+        key: bytes,
+        parent: bytes,
+        tenant: bytes,
+        depth: int,
+        role: str,
+        identity: bytes,
+        body: bytes,
+        tokens: int = 0,
+        generated: bool = False,
+        partial: bool = False,
+        created: float = 0.0,
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.tenant = tenant
+        self.depth = depth
+        self.role = role
+        self.identity = identity
+        self.body = body
+        self.tokens = tokens
+        self.generated = generated
+        self.partial = partial
+        self.created = created
 
     def with_tokens(self, tokens: int) -> Node:
         """This node with its token count (the constructor: ``dataclasses.replace`` introspects
@@ -97,34 +123,35 @@ class SessionTotals:
     updated: float = 0.0
 
 
-@runtime_checkable
-class NodeReader(Protocol):
-    """The read side the pure core needs. Synchronous: served from memory."""
-
-    def get(self, key: bytes) -> Node | None: ...
-
-    def children(self, key: bytes) -> Sequence[Node]:
-        """Stored children of ``key`` (a node key or a tenant root), oldest first."""
-        ...
-
-    def by_identity(self, tenant: bytes, identity: bytes) -> Sequence[Node]:
-        """Stored nodes of ``tenant`` whose element identity is ``identity`` (any depth)."""
-        ...
-
-
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class TurnWrite:
     """One turn to record: computed purely from the plan and the reply, written by the store."""
 
-    nodes: Sequence[Node]
+    nodes: Final[Sequence[Node]]
     """New nodes, parents first (request elements past the matched prefix, then the reply)."""
-    path: Sequence[bytes]
+    path: Final[Sequence[bytes]]
     """The matched prefix's keys, root first: touched (TTL/LRU), and searched from the deepest
     for the previous session leaf whose totals move down to the new leaf."""
-    leaf: bytes
+    leaf: Final[bytes]
     """The session's new leaf (the reply's key, or the request's last element)."""
-    totals: SessionTotals
+    totals: Final[SessionTotals]
     """This turn's numbers, added to the session's running totals."""
-    now: float
-    tenant: bytes = b""
-    """The tenant root (a shared store keys a tenant's data by it)."""
+    now: Final[float]
+    tenant: Final[bytes]
+    """The tenant root (a shared store keys a tenant's data by it); ``b""`` when not given."""
+
+    def __init__(
+        self,
+        nodes: Sequence[Node],
+        path: Sequence[bytes],
+        leaf: bytes,
+        totals: SessionTotals,
+        now: float,
+        tenant: bytes = b"",
+    ) -> None:
+        self.nodes = nodes
+        self.path = path
+        self.leaf = leaf
+        self.totals = totals
+        self.now = now
+        self.tenant = tenant

@@ -15,8 +15,8 @@ upstream unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Final, Protocol
 
 from .breaks import Break, diagnose
 from .guard import STRICT, Guard
@@ -29,7 +29,6 @@ from .record import Reply
 from .repair import NO_REPAIR, RepairPlan, plan_repair
 from .splice import Refusal, try_splice
 from .usage import Usage
-from .values import value
 
 __all__ = ["PlannedView", "TurnPlan", "plan_turn", "turn_write"]
 
@@ -53,37 +52,63 @@ class PlannedView(Protocol):
         ...
 
 
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class TurnPlan:
     """What kvwarm decided for one request before forwarding it."""
 
-    root: bytes
+    root: Final[bytes]
     """The tenant root."""
-    match: Match | None
+    match: Final[Match | None]
     """The stored prefix the request continues (None: fingerprinting failed open)."""
-    repair: RepairPlan
+    repair: Final[RepairPlan]
     """What was restored to the stored form (``NO_REPAIR`` when nothing)."""
-    brk: Break | None
+    brk: Final[Break | None]
     """Where and why the request left the stored tree (a ``new_branch`` is no break)."""
-    forwarded: Mapping[str, Any]
+    forwarded: Final[Mapping[str, Any]]
     """The body as forwarded, parsed: the repaired body, or the client's."""
-    messages: int
+    messages: Final[int]
     """Messages in the client's request."""
-    spliced: bytes | None = None
+    spliced: Final[bytes | None]
     """The client's bytes with the repair spliced in (every other byte the client's); None when
     nothing was repaired or no raw bytes were given."""
-    refused: str = ""
+    refused: Final[str]
     """Why a planned repair could not be spliced into the client's bytes (a
     :data:`~proxy.core.splice.REFUSALS` reason): the request is then planned and forwarded unrepaired."""
-    clean: int = 0
+    clean: Final[int]
     """Leading matched messages repair compared with their stored bytes and left as they are
     (0 when repair is off or failed): the next turn need not compare them again."""
-    tools_clean: bool = False
+    tools_clean: Final[bool]
     """Repair compared the ``tools`` value with its stored bytes and left it as it is."""
-    view: PlannedView | None = None
+    view: Final[PlannedView | None]
     """The messages planned on, when the wire API planned a view of the client's re-sent array
     rather than its elements (the Responses API's items as chat-shaped messages); None: the
     body's own ``messages``. Remembered with the body for the next turn (:mod:`proxy.core.prefix`)."""
+
+    def __init__(
+        self,
+        root: bytes,
+        match: Match | None,
+        repair: RepairPlan,
+        brk: Break | None,
+        forwarded: Mapping[str, Any],
+        messages: int,
+        spliced: bytes | None = None,
+        refused: str = "",
+        clean: int = 0,
+        tools_clean: bool = False,
+        view: PlannedView | None = None,
+    ) -> None:
+        self.root = root
+        self.match = match
+        self.repair = repair
+        self.brk = brk
+        self.forwarded = forwarded
+        self.messages = messages
+        self.spliced = spliced
+        self.refused = refused
+        self.clean = clean
+        self.tools_clean = tools_clean
+        self.view = view
 
     @property
     def matched_messages(self) -> int:

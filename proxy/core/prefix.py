@@ -34,14 +34,14 @@ import itertools
 import re
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 import orjson
 
 from .identity import IdentityMemo
 from .match import KnownPrefix, Match, in_order
 from .splice import _Refused, _skip_value
-from .values import value
 
 if TYPE_CHECKING:
     from .plan import PlannedView, TurnPlan
@@ -211,23 +211,41 @@ class _Body:
 
 # Below _Body, which it names: compiled (proxy/native.py), a class annotation naming a class
 # defined later crashes the module's import.
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class Recalled:
     """A body rebuilt from a remembered one and its own new bytes."""
 
-    body: dict[str, Any]
+    body: Final[dict[str, Any]]
     """The parsed body (a new dict and ``messages`` list; the shared messages are the remembered objects)."""
-    shared: int
+    shared: Final[int]
     """Leading messages taken from the remembered body."""
-    tag: Any
+    tag: Final[Any]
     """What the caller attached when it remembered that body (the wire API that parsed it)."""
-    source: _Body
-    cut: int
+    source: Final[_Body]
+    cut: Final[int]
     """Where the shared messages end in the new bytes."""
-    close: int
+    close: Final[int]
     """Where the new body's ``messages`` array closes (its ``]``)."""
-    ends: list[int] | None = None
+    ends: Final[list[int] | None]
     """Where each new message ends, when they were delimited to rebuild the body."""
+
+    def __init__(
+        self,
+        body: dict[str, Any],
+        shared: int,
+        tag: Any,
+        source: _Body,
+        cut: int,
+        close: int,
+        ends: list[int] | None = None,
+    ) -> None:
+        self.body = body
+        self.shared = shared
+        self.tag = tag
+        self.source = source
+        self.cut = cut
+        self.close = close
+        self.ends = ends
 
     @property
     def known(self) -> KnownPrefix | None:

@@ -31,15 +31,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
 
 import proxy
 from proxy.core.usage import Usage
 from proxy.errors import ConfigError
-
-from .values import value
 
 __all__ = ["Cost", "Price", "PriceTable", "cost_of"]
 
@@ -78,15 +76,22 @@ class Price:
 _FREE = Price(input=0.0, cached_input=0.0, cache_write=0.0, output=0.0)
 
 
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class Cost:
     """What one response cost."""
 
-    usd: float | None
+    usd: Final[float | None]
     """``None`` = unpriced (unknown model, or no token counts); never 0 for unknown."""
-    billed: bool
+    billed: Final[bool]
     """True when taken from the provider's billing block rather than estimated."""
 
+    def __init__(
+        self,
+        usd: float | None,
+        billed: bool,
+    ) -> None:
+        self.usd = usd
+        self.billed = billed
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # the tests subclass it (proxy/native.py)
 class PriceTable:

@@ -14,32 +14,45 @@ are ignored.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
-
-from .values import value
 
 __all__ = ["Reply", "ReplyAssembler", "reply_from_body"]
 
 _REASONING_KEYS = ("reasoning_content", "reasoning")
 
 
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class Reply:
     """One generated assistant message."""
 
-    message: dict[str, Any]
+    message: Final[dict[str, Any]]
     """``{"role": "assistant", "content": str | None}`` plus, when generated, ``tool_calls``
     (``[{"id", "type", "function": {"name", "arguments"}}]`` in index order) and
     ``reasoning_content`` / ``reasoning``: the exact generated strings."""
-    finish_reason: str | None
-    partial: bool
+    finish_reason: Final[str | None]
+    partial: Final[bool]
     """The stream ended without a ``finish_reason``: what the client got was cut short."""
-    model: str | None
-    following: tuple[dict[str, Any], ...] = ()
+    model: Final[str | None]
+    following: Final[tuple[dict[str, Any], ...]]
     """Further generated elements after ``message``, in order (a Responses reply may hold several
     output items: a reasoning item, then function calls); each becomes its own node."""
+
+    def __init__(
+        self,
+        message: dict[str, Any],
+        finish_reason: str | None,
+        partial: bool,
+        model: str | None,
+        following: tuple[dict[str, Any], ...] = (),
+    ) -> None:
+        self.message = message
+        self.finish_reason = finish_reason
+        self.partial = partial
+        self.model = model
+        self.following = following
 
     @property
     def messages(self) -> tuple[dict[str, Any], ...]:

@@ -29,37 +29,55 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, TypeVar
-
-from .values import value
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
 
 __all__ = ["Usage", "extract_usage", "is_usage_only_chunk", "merge_usage"]
 
 _T = TypeVar("_T")
 
 
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class Usage:
     """Token counts (and the billed cost, when a provider bills) of one response."""
 
-    prompt_tokens: int | None
+    prompt_tokens: Final[int | None]
     """All prompt tokens, cached ones included (normalized across shapes)."""
-    completion_tokens: int | None
+    completion_tokens: Final[int | None]
     """Generated tokens, reasoning tokens included."""
-    cached_tokens: int | None
+    cached_tokens: Final[int | None]
     """Prompt tokens read from the provider's cache; ``None`` = not reported (unknown)."""
-    cache_write_tokens: int | None
+    cache_write_tokens: Final[int | None]
     """Prompt tokens written to the cache (Anthropic cache creation, OpenRouter cache writes)."""
-    reasoning_tokens: int | None
+    reasoning_tokens: Final[int | None]
     """The part of ``completion_tokens`` spent on reasoning, when reported."""
-    billed_usd: float | None
+    billed_usd: Final[float | None]
     """What the provider charged (``openhuman.billing.charged_amount_usd``, OpenRouter ``usage.cost``)."""
-    source: str
+    source: Final[str]
     """The shape the cached count came from: ``openai``, ``openhuman``, ``anthropic``,
     ``deepseek`` or ``llamacpp``; ``openai`` when there is no cached count."""
-    timings: Mapping[str, float] | None = None
+    timings: Final[Mapping[str, float] | None]
     """llama.cpp's ``timings`` block (``cache_n``, ``prompt_n``, ``prompt_ms``, ...), numbers only."""
 
+    def __init__(
+        self,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        cached_tokens: int | None,
+        cache_write_tokens: int | None,
+        reasoning_tokens: int | None,
+        billed_usd: float | None,
+        source: str,
+        timings: Mapping[str, float] | None = None,
+    ) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        self.cached_tokens = cached_tokens
+        self.cache_write_tokens = cache_write_tokens
+        self.reasoning_tokens = reasoning_tokens
+        self.billed_usd = billed_usd
+        self.source = source
+        self.timings = timings
 
 def extract_usage(obj: Mapping[str, Any]) -> Usage | None:
     """Read the usage of a chat.completion body or of one chat.completion.chunk.

@@ -31,7 +31,6 @@ from ..core.prefix import Recalled
 from ..core.record import Reply
 from ..core.sse import SSEEvent
 from ..core.usage import Usage
-from ..core.values import value
 from ..traits import UpstreamTraits
 
 __all__ = [
@@ -101,15 +100,22 @@ class Observer(Protocol):
 
 
 
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class Outgoing:
     """What goes upstream."""
 
-    body: bytes
+    body: Final[bytes]
     """The bytes sent: the client's, unless repaired or ``include_usage`` was added."""
-    usage_injected: bool
+    usage_injected: Final[bool]
     """kvwarm added ``stream_options.include_usage``; the observer hides what it caused."""
 
+    def __init__(
+        self,
+        body: bytes,
+        usage_injected: bool,
+    ) -> None:
+        self.body = body
+        self.usage_injected = usage_injected
 
 class Wire(Protocol):
     """One wire API: recognises its requests, plans them, and observes their responses."""

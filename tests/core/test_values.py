@@ -1,0 +1,96 @@
+"""Value classes (proxy/core/values.py): a compiled one's hand-written constructor takes and
+sets exactly its fields, in order; a compiled module holds no class mypyc cannot make native.
+
+Read from the sources (``ast``), so a constructor that drops, swaps or renames a field fails
+here whether or not the package was compiled.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+
+import pytest
+
+from proxy import native
+
+
+def _decorator_name(node: ast.expr) -> str:
+    target = node.func if isinstance(node, ast.Call) else node
+    return ast.unparse(target)
+
+
+def _value_classes() -> list[tuple[str, ast.ClassDef]]:
+    """Every ``@dataclass(init=False, ...)`` class of the package, by module."""
+    found = []
+    for source in sorted(native.PACKAGE.rglob("*.py")):
+        module = "proxy." + ".".join(source.relative_to(native.PACKAGE).with_suffix("").parts)
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for dec in node.decorator_list:
+                if (
+                    isinstance(dec, ast.Call)
+                    and _decorator_name(dec) == "dataclass"
+                    and any(k.arg == "init" and ast.literal_eval(k.value) is False for k in dec.keywords)
+                ):
+                    found.append((module, node))
+    return found
+
+
+VALUE_CLASSES = _value_classes()
+
+
+def test_the_hot_values_are_written_as_compiled_value_classes() -> None:
+    names = {f"{module}.{cls.name}" for module, cls in VALUE_CLASSES}
+    for name in (
+        "proxy.core.model.Node",
+        "proxy.core.model.TurnWrite",
+        "proxy.core.match.Match",
+        "proxy.core.match.KnownPrefix",
+        "proxy.core.plan.TurnPlan",
+        "proxy.core.prefix.Recalled",
+        "proxy.core.usage.Usage",
+        "proxy.core.record.Reply",
+        "proxy.wire.base.Outgoing",
+    ):
+        assert name in names
+
+
+@pytest.mark.parametrize(("module", "cls"), VALUE_CLASSES, ids=lambda v: getattr(v, "name", v))
+def test_a_value_constructor_takes_and_sets_its_fields_in_order(module: str, cls: ast.ClassDef) -> None:
+    fields = []
+    for stmt in cls.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            assert stmt.value is None, f"{cls.name}.{stmt.target.id}: a default goes in __init__'s signature"
+            assert ast.unparse(stmt.annotation).startswith("Final["), f"{cls.name}.{stmt.target.id} is not Final"
+            fields.append(stmt.target.id)
+    inits = [s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"]
+    assert len(inits) == 1, f"{cls.name} has no __init__ of its own"
+    init = inits[0]
+    params = [a.arg for a in init.args.args[1:]]
+    assert params == fields, f"{cls.name}.__init__ takes {params}, its fields are {fields}"
+    assert not init.args.kwonlyargs and init.args.vararg is None and init.args.kwarg is None
+    assigned = [ast.unparse(s) for s in init.body if not isinstance(s, ast.Expr)]
+    assert assigned == [f"self.{f} = {f}" for f in fields], f"{cls.name}.__init__ must only assign its fields, in order"
+
+    # And the class the package imports is the dataclass those fields describe.
+    imported = getattr(importlib.import_module(module), cls.name)
+    assert [f.name for f in dataclasses.fields(imported)] == fields
+    assert imported.__dataclass_params__.init is False and imported.__dataclass_params__.unsafe_hash
+
+
+NATIVE_DECORATORS = {"dataclass", "mypyc_attr", "trait", "final"}
+"""The class decorators mypyc keeps a native class under (``mypyc/irbuild/util.py``); any
+other (:func:`~proxy.core.values.value` included) leaves an ordinary Python class, whose
+fields compiled code reads by attribute lookup."""
+
+
+@pytest.mark.parametrize("module", native.COMPILED)
+def test_a_compiled_module_declares_no_class_mypyc_cannot_make_native(module: str) -> None:
+    tree = ast.parse(native.source(module).read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            other = {_decorator_name(d) for d in node.decorator_list} - NATIVE_DECORATORS
+            assert not other, f"{module}.{node.name}: decorated {other}, mypyc makes it an interpreted class"
