@@ -103,7 +103,7 @@ def check_path(raw_path: str, path: str) -> None:
             "the request path holds a character kvwarm does not forward (control characters, "
             "backslashes, spaces, '?', '#' or non-ASCII, once decoded)"
         )
-    if any(segment in (".", "..") for segment in path.split("/")):
+    if "." in path and any(segment in (".", "..") for segment in path.split("/")):
         raise BadPath("'.' or '..' segments in the request path")
 
 

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from .core.plan import TurnPlan
@@ -43,7 +43,7 @@ PREFIX_HEADER = "x-kvwarm-prefix"
 BREAK_HEADER = "x-kvwarm-break"
 
 
-@dataclass(slots=True)
+@dataclass(init=False)  # a compiled record (proxy/core/values.py)
 class Answer:
     """What came back for one request, filled while the response is relayed."""
 
@@ -56,8 +56,26 @@ class Answer:
     """The reply as generated (as delivered, when the client left mid-stream)."""
     cost: Cost | None = None
     client_gone: bool = False
-    failed: Sequence[str] = field(default_factory=list)
+    failed: Sequence[str] = ()
     """Stages that failed open (the request's fail-open guard's list)."""
+
+    def __init__(
+        self,
+        status: int | None = None,
+        ttfb: float | None = None,
+        usage: Usage | None = None,
+        reply: Reply | None = None,
+        cost: Cost | None = None,
+        client_gone: bool = False,
+        failed: Sequence[str] = (),
+    ) -> None:
+        self.status = status
+        self.ttfb = ttfb
+        self.usage = usage
+        self.reply = reply
+        self.cost = cost
+        self.client_gone = client_gone
+        self.failed = failed
 
 
 class BreakSink(Protocol):

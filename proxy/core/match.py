@@ -164,7 +164,7 @@ class KnownPrefix:
         """How many leading messages of ``body`` can be taken as matched (0: none)."""
         m = self.match
         k = min(self.messages, m.matched - 1, len(self.held))
-        if k <= 0 or m.root != root or m.policy != policy or body.get("tools") is not self.tools:
+        if k <= 0 or m.root != root or (m.policy is not policy and m.policy != policy) or body.get("tools") is not self.tools:
             return 0
         if len(m.message_ids) < k or not (m.ordered or in_order(m.order, k)):
             return 0  # something before it moved or was collapsed: match it all again

@@ -102,7 +102,7 @@ class Node:
         )
 
 
-@dataclass(slots=True)
+@dataclass(init=False)  # a compiled record (proxy/core/values.py)
 class SessionTotals:
     """Running totals of one session (a leaf path); they move down to the new leaf as a path grows."""
 
@@ -121,6 +121,34 @@ class SessionTotals:
     model: str = ""
     created: float = 0.0
     updated: float = 0.0
+
+    def __init__(
+        self,
+        turns: int = 0,
+        prompt_tokens: int = 0,
+        cached_tokens: int = 0,
+        completion_tokens: int = 0,
+        unknown_cache_turns: int = 0,
+        cost_usd: float = 0.0,
+        billed: bool = False,
+        repaired: int = 0,
+        last_break: str = "",
+        model: str = "",
+        created: float = 0.0,
+        updated: float = 0.0,
+    ) -> None:
+        self.turns = turns
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+        self.completion_tokens = completion_tokens
+        self.unknown_cache_turns = unknown_cache_turns
+        self.cost_usd = cost_usd
+        self.billed = billed
+        self.repaired = repaired
+        self.last_break = last_break
+        self.model = model
+        self.created = created
+        self.updated = updated
 
 
 @dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)

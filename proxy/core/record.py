@@ -76,7 +76,7 @@ def reply_from_body(body: Mapping[str, Any]) -> Reply | None:
             message[key] = value
     calls = source.get("tool_calls")
     if isinstance(calls, list):
-        tool_calls = [_tool_call_from_body(call) for call in calls if isinstance(call, Mapping)]
+        tool_calls = [_tool_call_from_body(call) for call in calls if type(call) is dict or isinstance(call, Mapping)]
         if tool_calls:
             message["tool_calls"] = tool_calls
     finish = choice.get("finish_reason")
@@ -148,7 +148,7 @@ class ReplyAssembler:
         calls = delta.get("tool_calls")
         if isinstance(calls, list):
             for call in calls:
-                if isinstance(call, Mapping):
+                if type(call) is dict or isinstance(call, Mapping):
                     self._feed_call(call)
 
     def done(self) -> None:
@@ -206,7 +206,7 @@ class ReplyAssembler:
         if kind and parts.type is None:
             parts.type = kind
         function = call.get("function")
-        if isinstance(function, Mapping):
+        if type(function) is dict or isinstance(function, Mapping):
             name = function.get("name")
             if isinstance(name, str) and name and name != parts.name:
                 # Some servers repeat the whole name on every delta; others stream it once.
@@ -240,7 +240,7 @@ def _tool_call_from_body(call: Mapping[str, Any]) -> dict[str, Any]:
         out["id"] = call["id"]
     out["type"] = _str(call.get("type")) or "function"
     function = call.get("function")
-    function = function if isinstance(function, Mapping) else {}
+    function = function if type(function) is dict or isinstance(function, Mapping) else {}
     name = function.get("name")
     arguments = function.get("arguments", "")
     out["function"] = {

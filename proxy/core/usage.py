@@ -301,7 +301,7 @@ def is_usage_only_chunk(obj: Mapping[str, Any]) -> bool:
     if obj.get("object", "chat.completion.chunk") != "chat.completion.chunk":
         return False
     usage = obj.get("usage")
-    return isinstance(usage, Mapping) and bool(usage)
+    return (type(usage) is dict or isinstance(usage, Mapping)) and bool(usage)
 
 
 def _later(a: _T | None, b: _T | None) -> _T | None:
@@ -311,7 +311,7 @@ def _later(a: _T | None, b: _T | None) -> _T | None:
 def _mapping(value: Any) -> Mapping[str, Any]:
     if type(value) is dict:  # what orjson gives: no ABC check on every response
         return value
-    return value if isinstance(value, Mapping) else _EMPTY
+    return value if type(value) is dict or isinstance(value, Mapping) else _EMPTY
 
 
 _EMPTY: Mapping[str, Any] = {}
@@ -340,7 +340,7 @@ def _usd(value: Any) -> float | None:
 
 
 def _timings(value: Any) -> dict[str, float]:
-    if value is None or not isinstance(value, Mapping):
+    if value is None or (type(value) is not dict and not isinstance(value, Mapping)):
         return {}
     out: dict[str, float] = {}
     for key, item in value.items():

@@ -24,6 +24,8 @@ many times more. Two forms keep them cheap:
   ``__hash__``, ``__repr__``, ``fields`` and ``replace``. A class decorated with anything
   else (:func:`value` included) is not native to mypyc. ``tests/core/test_values.py`` checks
   that each such constructor takes and sets exactly its fields, in order.
+  A mutable record read on the request path (:class:`~proxy.core.model.SessionTotals`) is
+  written the same way without ``unsafe_hash`` and ``Final``, each field with its default.
 - Elsewhere, :func:`value`: a slotted dataclass that the type checker treats as frozen (an
   assignment to a field is a type error) and that hashes and compares by its fields like a
   frozen one, built at the plain class's cost.

@@ -1,5 +1,6 @@
-"""Value classes (proxy/core/values.py): a compiled one's hand-written constructor takes and
-sets exactly its fields, in order; a compiled module holds no class mypyc cannot make native.
+"""Value classes and records (proxy/core/values.py): a compiled one's hand-written constructor
+takes and sets exactly its fields, in order, with their defaults; a compiled module holds no
+class mypyc cannot make native.
 
 Read from the sources (``ast``), so a constructor that drops, swaps or renames a field fails
 here whether or not the package was compiled.
@@ -22,7 +23,8 @@ def _decorator_name(node: ast.expr) -> str:
 
 
 def _value_classes() -> list[tuple[str, ast.ClassDef]]:
-    """Every ``@dataclass(init=False, ...)`` class of the package, by module."""
+    """Every ``@dataclass(init=False, ...)`` class of the package, by module: its constructor is
+    written by hand (for mypyc to compile it)."""
     found = []
     for source in sorted(native.PACKAGE.rglob("*.py")):
         module = "proxy." + ".".join(source.relative_to(native.PACKAGE).with_suffix("").parts)
@@ -54,31 +56,50 @@ def test_the_hot_values_are_written_as_compiled_value_classes() -> None:
         "proxy.core.usage.Usage",
         "proxy.core.record.Reply",
         "proxy.wire.base.Outgoing",
+        "proxy.core.model.SessionTotals",
+        "proxy.report.Answer",
     ):
         assert name in names
 
 
+def _is_value(cls: ast.ClassDef) -> bool:
+    """``unsafe_hash=True``: an immutable value; else a mutable record (its defaults declared)."""
+    return any(
+        isinstance(d, ast.Call) and any(k.arg == "unsafe_hash" and ast.literal_eval(k.value) for k in d.keywords)
+        for d in cls.decorator_list
+    )
+
+
 @pytest.mark.parametrize(("module", "cls"), VALUE_CLASSES, ids=lambda v: getattr(v, "name", v))
-def test_a_value_constructor_takes_and_sets_its_fields_in_order(module: str, cls: ast.ClassDef) -> None:
-    fields = []
+def test_a_compiled_constructor_takes_and_sets_its_fields_in_order(module: str, cls: ast.ClassDef) -> None:
+    fields, defaults = [], {}
     for stmt in cls.body:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            assert stmt.value is None, f"{cls.name}.{stmt.target.id}: a default goes in __init__'s signature"
-            assert ast.unparse(stmt.annotation).startswith("Final["), f"{cls.name}.{stmt.target.id} is not Final"
-            fields.append(stmt.target.id)
+            name = stmt.target.id
+            if _is_value(cls):
+                assert stmt.value is None, f"{cls.name}.{name}: a value's default goes in __init__'s signature"
+                assert ast.unparse(stmt.annotation).startswith("Final["), f"{cls.name}.{name} is not Final"
+            else:
+                assert stmt.value is not None, f"{cls.name}.{name}: a record declares its default"
+                defaults[name] = ast.unparse(stmt.value)
+            fields.append(name)
     inits = [s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"]
     assert len(inits) == 1, f"{cls.name} has no __init__ of its own"
     init = inits[0]
     params = [a.arg for a in init.args.args[1:]]
     assert params == fields, f"{cls.name}.__init__ takes {params}, its fields are {fields}"
     assert not init.args.kwonlyargs and init.args.vararg is None and init.args.kwarg is None
+    if defaults:
+        given = dict(zip(params[len(params) - len(init.args.defaults) :], map(ast.unparse, init.args.defaults), strict=True))
+        assert given == defaults, f"{cls.name}.__init__'s defaults are not its fields' defaults"
     assigned = [ast.unparse(s) for s in init.body if not isinstance(s, ast.Expr)]
     assert assigned == [f"self.{f} = {f}" for f in fields], f"{cls.name}.__init__ must only assign its fields, in order"
 
     # And the class the package imports is the dataclass those fields describe.
     imported = getattr(importlib.import_module(module), cls.name)
     assert [f.name for f in dataclasses.fields(imported)] == fields
-    assert imported.__dataclass_params__.init is False and imported.__dataclass_params__.unsafe_hash
+    assert imported.__dataclass_params__.init is False
+    assert imported.__dataclass_params__.unsafe_hash == _is_value(cls)
 
 
 NATIVE_DECORATORS = {"dataclass", "mypyc_attr", "trait", "final"}
