@@ -5,11 +5,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.breaks import REASONS, Break, _BodyMemo, _reasoning_scan, span_of
+from proxy.core.breaks import REASONS, Break, _BodyMemo, _parse, _reasoning_scan, span_of
 from proxy.core.policy import Policy
 from tests.core.factories import (
     READ,
@@ -385,4 +386,34 @@ def test_the_reasoning_scan_memo_answers_as_the_scan_within_its_budget(calls: li
         body = seen[len(pieces) % len(seen)] if again and seen else bytes(bytearray(b"".join(pieces)))
         seen.append(body)
         assert memo(body) is _reasoning_scan(body)
+        assert memo._bytes == sum(len(b) for b in memo._known) <= budget
+
+
+_TEXT = st.characters(exclude_categories=("Cs",))  # JSON text: no lone surrogates
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(_TEXT, max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(_TEXT, max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_JSON | st.binary(max_size=12), st.booleans()), min_size=1, max_size=40), st.integers(0, 400))
+def test_the_parsed_body_memo_answers_as_the_parser_within_its_budget(calls: list[tuple[Any, bool]], budget: int) -> None:
+    """A stored sibling parsed once is handed out again while it stays within the byte budget;
+    a body that is not JSON (a damaged entry) parses to None, as before."""
+    memo = _BodyMemo(_parse, budget)
+    seen: list[bytes] = []
+    for value, again in calls:
+        if again and seen:
+            body = seen[len(seen) // 2]
+        else:
+            body = value if isinstance(value, bytes) else orjson.dumps(value)
+        seen.append(body)
+        kept = body in memo._known
+        before = memo._known.get(body)
+        got = memo(body)
+        assert got == _parse(body)
+        if kept:
+            assert got is before  # the very object: not parsed again
         assert memo._bytes == sum(len(b) for b in memo._known) <= budget
