@@ -45,6 +45,7 @@ COMPILED: tuple[str, ...] = (
     "proxy.core.pricing",
     "proxy.core.record",
     "proxy.core.splice",
+    "proxy.core.sse",
     "proxy.core.usage",
     "proxy.failopen",
     "proxy.metrics",
@@ -64,8 +65,7 @@ COMPILED: tuple[str, ...] = (
 aiohttp decorators, no generic classes. The relay, the transport, the upstream and the pipeline
 stay plain Python: compiled coroutines crashed the interpreter when a traceback through them, or
 a failed callback holding one, was formatted (CPython 3.11.7), and tests patch the pipeline's
-methods; so do the SSE reader (its test counts calls to the general parser) and
-the repair planner (its fault test replaces its serializer)."""
+methods; so does the repair planner (its fault test replaces its serializer)."""
 
 _state = "pure: not compiled (make compile)"
 

@@ -110,6 +110,14 @@ class TurnPlan:
         self.tools_clean = tools_clean
         self.view = view
 
+    def with_view(self, view: PlannedView) -> TurnPlan:
+        """This plan, planned on ``view`` (the constructor: ``dataclasses.replace`` introspects
+        the fields on every call, and every Responses API request comes here)."""
+        return TurnPlan(
+            self.root, self.match, self.repair, self.brk, self.forwarded, self.messages,
+            self.spliced, self.refused, self.clean, self.tools_clean, view,
+        )
+
     @property
     def matched_messages(self) -> int:
         return self.match.matched_messages if self.match is not None else 0

@@ -28,8 +28,8 @@ never by a per-byte Python loop.
 from __future__ import annotations
 
 import re
-
-from .values import value
+from dataclasses import dataclass
+from typing import Final
 
 __all__ = ["SSEDecoder", "SSEEvent"]
 
@@ -43,26 +43,40 @@ _BOUNDARY = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 _RESCAN = 3
 
 
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class SSEEvent:
     """One event of a stream, with the exact bytes it was made of."""
 
-    raw: bytes
+    raw: Final[bytes]
     """The input bytes of this event, including its terminating blank line."""
-    data: str | None
+    data: Final[str | None]
     """The ``data`` lines joined with ``\\n``; ``None`` when the event has no ``data`` field."""
-    event: str | None
+    event: Final[str | None]
     """The ``event`` field (the event type); ``None`` when absent or empty."""
-    id: str | None = None
+    id: Final[str | None]
     """The ``id`` field, when present (ignored if it contains NUL, as the spec says)."""
-    retry: int | None = None
+    retry: Final[int | None]
     """The ``retry`` field, when it is all ASCII digits."""
+
+    def __init__(
+        self,
+        raw: bytes,
+        data: str | None,
+        event: str | None,
+        id: str | None = None,
+        retry: int | None = None,
+    ) -> None:
+        self.raw = raw
+        self.data = data
+        self.event = event
+        self.id = id
+        self.retry = retry
 
 
 class SSEDecoder:
     """Split a byte stream into :class:`SSEEvent` values; feed chunks, then flush at the end."""
 
-    __slots__ = ("_buf", "_cr", "_first", "_scan")
+    __slots__ = ("_buf", "_cr", "_first", "_scan", "general_reads")
 
     def __init__(self) -> None:
         self._buf = bytearray()
@@ -72,6 +86,9 @@ class SSEDecoder:
         """The stream has shown a ``\\r``: use the general boundary regex from now on."""
         self._first = True
         """The next event is the first of the stream (a leading BOM is ignored)."""
+        self.general_reads = 0
+        """Events read line by line, not in place: shapes the in-place reading declines (a
+        ``\\r``, a comment, ``id`` or ``retry`` fields, an event split across reads)."""
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Add ``chunk`` and return the events it completed; partial bytes are kept."""
@@ -155,6 +172,7 @@ class SSEDecoder:
         return 0
 
     def _event(self, raw: bytes) -> SSEEvent:
+        self.general_reads += 1
         body = raw
         if self._first:
             self._first = False

@@ -85,6 +85,8 @@ _DELTAS = frozenset(
     ("response.output_text.delta", "response.function_call_arguments.delta", "response.custom_tool_call_input.delta")
 )
 """Stream events whose ``delta`` extends the in-flight output item's text, arguments or input."""
+_ITEM_EVENTS = _DELTAS | {"response.output_item.added", "response.output_item.done"}
+"""The events an output cut short is assembled from (:meth:`ResponsesObserver._assembled`)."""
 _NEUTRAL = frozenset(("id", "status"))
 _SORT = orjson.OPT_SORT_KEYS
 INSTRUCTIONS = -1
@@ -297,7 +299,7 @@ class ResponsesWire:
         # the client's items and spliced into the client's bytes.
         plan = plan_turn(chat, root, reader, policy, memo, guard, known=known)
         if not plan.repair.repairs:
-            return replace(plan, view=view)
+            return plan.with_view(view)
         spliced: bytes | Refusal = Refusal("invalid_edit", ())
         with guard("repair"):
             edits = item_edits(body, view, plan.repair.edits)
@@ -399,7 +401,7 @@ def _text_edits(client: Any, restored: Any, path: tuple[str | int, ...]) -> list
 class ResponsesObserver:
     """One Responses API response on its way to the client: usage and output items, as generated."""
 
-    __slots__ = ("_body", "_done", "_guard", "_items", "_partial", "_success", "_terminal", "usage")
+    __slots__ = ("_body", "_done", "_guard", "_items", "_partial", "_pending", "_success", "_terminal", "usage")
 
     def __init__(self, guard: Guard, *, success: bool) -> None:
         self._guard = guard
@@ -413,15 +415,29 @@ class ResponsesObserver:
         self.usage: Usage | None = None
         self._terminal = False
         """The event just observed closes the stream."""
+        self._pending: list[str] = []
+        """The data of the item and delta events named as such, unread: ``response.completed``
+        carries the whole output, so they are parsed only when the stream ends without it."""
 
     def on_event(self, event: SSEEvent) -> Verdict:
-        self._terminal = event.event in TERMINAL
-        if event.data is None:
+        name = event.event
+        self._terminal = name in TERMINAL
+        data = event.data
+        if data is None:
+            return KEEP
+        if name is not None and not self._terminal and name.startswith("response."):
+            # An event its ``event:`` line names, of the API's own: only the terminal ones are
+            # read now (usage, the output). Parsing every delta cost a 26-event response more
+            # than planning its 40 KiB request.
+            if name in _ITEM_EVENTS:
+                self._pending.append(data)
             return KEEP
         try:  # not ``with guard``: every event comes here (proxy/core/guard.py)
-            self._read_event(orjson.loads(event.data))
+            self._read_event(orjson.loads(data))
         except Exception as exc:
             self._guard.fail("usage", exc)
+        if self._done is not None:
+            self._pending.clear()
         return KEEP
 
     def _read_event(self, data: Any) -> None:
@@ -467,8 +483,15 @@ class ResponsesObserver:
                     output = got if type(got) is list else None
             elif self._done is not None:
                 output = self._done
-            elif self._items:
-                output, partial = self._assembled(), True
+            else:
+                for pending in self._pending:  # in the order they came; a broken one loses only itself
+                    try:
+                        self._read_event(orjson.loads(pending))
+                    except Exception as exc:
+                        self._guard.fail("usage", exc)
+                self._pending.clear()
+                if self._items:
+                    output, partial = self._assembled(), True
         if not output:
             return None
         view = items_view(None, output)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 
-import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -256,20 +255,23 @@ def test_a_live_stream_several_events_per_chunk_decodes_as_one_shot(stream: byte
     assert triples(grouped) == reference(stream)
 
 
-def test_a_whole_stream_in_one_chunk_is_read_in_place_from_its_first_event(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_whole_stream_in_one_chunk_is_read_in_place_from_its_first_event() -> None:
     """It must be able to fail: a short answer arrives whole in the proxy's first read; only a
     byte-order mark (or a shape the in-place reading declines) sends it to the general reading."""
-    from proxy.core import sse
-
     stream = b"".join([b"event: response.created\ndata: {}\n\n", *(b'data: {"n":%d}\n\n' % i for i in range(5))])
-    parsed: list[bytes] = []
-    real = sse._parse
-    monkeypatch.setattr(sse, "_parse", lambda raw, body: parsed.append(raw) or real(raw, body))
-    assert decode([stream]) == general(stream)
-    assert parsed == [b"event: response.created\ndata: {}\n\n"] + [b'data: {"n":%d}\n\n' % i for i in range(5)]  # by general()
-    parsed.clear()
-    assert len(decode([stream])) == 6 and parsed == []
-    assert [e.data for e in decode([b"\xef\xbb\xbf" + stream])][:2] == ["{}", '{"n":0}'] and parsed[0].startswith(b"\xef\xbb\xbf")
+    whole = SSEDecoder()
+    events = whole.feed(stream) + whole.flush()
+    assert events == general(stream) and len(events) == 6
+    assert whole.general_reads == 0
+    byte_by_byte = SSEDecoder()
+    for byte in split_at(stream, list(range(1, len(stream)))):
+        byte_by_byte.feed(byte)
+    byte_by_byte.flush()
+    assert byte_by_byte.general_reads == 6
+    marked = SSEDecoder()
+    events = marked.feed(b"\xef\xbb\xbf" + stream) + marked.flush()
+    assert [e.data for e in events][:2] == ["{}", '{"n":0}'] and events[0].raw.startswith(b"\xef\xbb\xbf")
+    assert marked.general_reads >= 1
 
 
 def test_whole_events_reads_a_chunk_of_live_events_and_leaves_the_rest_from_the_first_it_declines() -> None:

@@ -115,3 +115,19 @@ def test_a_compiled_module_declares_no_class_mypyc_cannot_make_native(module: st
         if isinstance(node, ast.ClassDef):
             other = {_decorator_name(d) for d in node.decorator_list} - NATIVE_DECORATORS
             assert not other, f"{module}.{node.name}: decorated {other}, mypyc makes it an interpreted class"
+
+
+def test_a_copy_made_by_the_constructor_keeps_every_field() -> None:
+    """``with_tokens`` and ``with_view`` rebuild a value positionally (``dataclasses.replace`` costs
+    more than the request's planning): a field added and not passed on would be lost."""
+    from proxy.core.model import Node
+    from proxy.core.plan import TurnPlan
+    from proxy.core.repair import NO_REPAIR
+    from proxy.wire.responses import ItemsView
+
+    node = Node(b"k" * 16, b"p" * 16, b"t" * 16, 3, "user", b"i" * 16, b"{}", -1, True, True, 12.5)
+    assert node.with_tokens(7) == dataclasses.replace(node, tokens=7)
+    view = ItemsView([{"role": "user", "content": "x"}], [(0,)], 0)
+    plan = TurnPlan(b"r" * 16, None, NO_REPAIR, None, {"messages": []}, 4, b"spliced", "refused", 2, True, None)
+    assert plan.with_view(view) == dataclasses.replace(plan, view=view)
+    assert all(getattr(plan.with_view(view), f.name) is getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "view")
