@@ -19,6 +19,8 @@ from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
 
+from .usage import is_mapping
+
 __all__ = ["Reply", "ReplyAssembler", "reply_from_body"]
 
 _REASONING_KEYS = ("reasoning_content", "reasoning")
@@ -61,13 +63,13 @@ class Reply:
 
 def reply_from_body(body: Mapping[str, Any]) -> Reply | None:
     """The reply of a non-streaming chat.completion (``choices[0].message``); None if absent."""
-    if type(body) is not dict and not isinstance(body, Mapping):  # orjson gives dicts: no ABC check
+    if not is_mapping(body):
         return None
     choice = _first_choice(body.get("choices"))
     if choice is None:
         return None
     source = choice.get("message")
-    if type(source) is not dict and not isinstance(source, Mapping):
+    if not is_mapping(source):
         return None
     message: dict[str, Any] = {"role": "assistant", "content": source.get("content")}
     for key in _REASONING_KEYS:
@@ -76,7 +78,7 @@ def reply_from_body(body: Mapping[str, Any]) -> Reply | None:
             message[key] = value
     calls = source.get("tool_calls")
     if isinstance(calls, list):
-        tool_calls = [_tool_call_from_body(call) for call in calls if type(call) is dict or isinstance(call, Mapping)]
+        tool_calls = [_tool_call_from_body(call) for call in calls if is_mapping(call)]
         if tool_calls:
             message["tool_calls"] = tool_calls
     finish = choice.get("finish_reason")
@@ -123,7 +125,7 @@ class ReplyAssembler:
         self._feed(chunk)
 
     def _feed(self, chunk: Mapping[str, Any]) -> None:
-        if type(chunk) is not dict and not isinstance(chunk, Mapping):
+        if not is_mapping(chunk):
             return
         if self._model is None:
             self._model = _str(chunk.get("model")) or None
@@ -134,7 +136,7 @@ class ReplyAssembler:
         if isinstance(finish, str) and finish:
             self._finish = finish
         delta = choice.get("delta")
-        if type(delta) is not dict and not isinstance(delta, Mapping):
+        if not is_mapping(delta):
             return
         content = delta.get("content")
         if isinstance(content, str):
@@ -148,7 +150,7 @@ class ReplyAssembler:
         calls = delta.get("tool_calls")
         if isinstance(calls, list):
             for call in calls:
-                if type(call) is dict or isinstance(call, Mapping):
+                if is_mapping(call):
                     self._feed_call(call)
 
     def done(self) -> None:
@@ -206,7 +208,7 @@ class ReplyAssembler:
         if kind and parts.type is None:
             parts.type = kind
         function = call.get("function")
-        if type(function) is dict or isinstance(function, Mapping):
+        if is_mapping(function):
             name = function.get("name")
             if isinstance(name, str) and name and name != parts.name:
                 # Some servers repeat the whole name on every delta; others stream it once.
@@ -240,7 +242,7 @@ def _tool_call_from_body(call: Mapping[str, Any]) -> dict[str, Any]:
         out["id"] = call["id"]
     out["type"] = _str(call.get("type")) or "function"
     function = call.get("function")
-    function = function if type(function) is dict or isinstance(function, Mapping) else {}
+    function = function if is_mapping(function) else {}
     name = function.get("name")
     arguments = function.get("arguments", "")
     out["function"] = {
@@ -256,7 +258,7 @@ def _first_choice(choices: Any) -> Mapping[str, Any] | None:
     if not isinstance(choices, list):
         return None
     for choice in choices:
-        if type(choice) is dict or isinstance(choice, Mapping):
+        if is_mapping(choice):
             index = choice.get("index", 0)
             if index == 0 and not isinstance(index, bool):
                 return choice

@@ -30,9 +30,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeGuard, TypeVar
 
-__all__ = ["Usage", "extract_usage", "is_usage_only_chunk", "merge_usage"]
+__all__ = ["Usage", "extract_usage", "is_mapping", "is_usage_only_chunk", "merge_usage"]
 
 _T = TypeVar("_T")
 
@@ -293,7 +293,7 @@ def is_usage_only_chunk(obj: Mapping[str, Any]) -> bool:
     This is the extra chunk an upstream sends for ``stream_options.include_usage``;
     kvwarm removes it from the client's stream when kvwarm added that option.
     """
-    if type(obj) is not dict and not isinstance(obj, Mapping):
+    if not is_mapping(obj):
         return False
     choices = obj.get("choices")
     if not isinstance(choices, list) or choices:
@@ -301,17 +301,21 @@ def is_usage_only_chunk(obj: Mapping[str, Any]) -> bool:
     if obj.get("object", "chat.completion.chunk") != "chat.completion.chunk":
         return False
     usage = obj.get("usage")
-    return (type(usage) is dict or isinstance(usage, Mapping)) and bool(usage)
+    return is_mapping(usage) and bool(usage)
 
 
 def _later(a: _T | None, b: _T | None) -> _T | None:
     return a if b is None else b
 
 
+def is_mapping(value: object) -> TypeGuard[Mapping[Any, Any]]:
+    """A JSON object: a dict, what orjson gives, tested first (an ``isinstance`` against the
+    ``Mapping`` ABC runs a Python frame), or any other ``Mapping``."""
+    return type(value) is dict or isinstance(value, Mapping)
+
+
 def _mapping(value: Any) -> Mapping[str, Any]:
-    if type(value) is dict:  # what orjson gives: no ABC check on every response
-        return value
-    return value if type(value) is dict or isinstance(value, Mapping) else _EMPTY
+    return value if is_mapping(value) else _EMPTY
 
 
 _EMPTY: Mapping[str, Any] = {}
@@ -340,7 +344,7 @@ def _usd(value: Any) -> float | None:
 
 
 def _timings(value: Any) -> dict[str, float]:
-    if value is None or (type(value) is not dict and not isinstance(value, Mapping)):
+    if not is_mapping(value):
         return {}
     out: dict[str, float] = {}
     for key, item in value.items():
