@@ -48,6 +48,7 @@ COMPILED: tuple[str, ...] = (
     "proxy.core.sse",
     "proxy.core.usage",
     "proxy.failopen",
+    "proxy.http1",
     "proxy.metrics",
     "proxy.report",
     "proxy.store.local",

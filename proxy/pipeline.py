@@ -123,6 +123,7 @@ class Pipeline:
             if wire is None or body is None:
                 return await self.passthrough(request, raw)
             answer = Answer(failed=guard.failed)
+            model = _model(body)
             plan: TurnPlan | None = None
             try:
                 plan, view = self.plan(wire, raw, body, scope[0], guard, recalled)
@@ -143,26 +144,27 @@ class Pipeline:
                     return out if keyed is out.body else replace(out, body=keyed)
 
                 lease = await self.send(request, route, outgoing, answer, started)
-                observer = wire.observer(lease.outgoing, lease.replica.traits, guard, success=_ok(answer.status))
+                answered = _ok(answer.status)
+                observer = wire.observer(lease.outgoing, lease.replica.traits, guard, success=answered)
 
                 async def finish(outcome: RelayOutcome) -> None:
                     answer.client_gone = outcome.client_gone
                     answer.reply = observer.end(client_gone=outcome.client_gone)
                     answer.usage = observer.usage
-                    await self.record(plan, body, answer, guard)
+                    await self.record(plan, model, answer, guard, answered)
                     try:
                         await lease.done(outcome)  # the replica's health; the recorded prefix lives there
                     except Exception as exc:
                         guard.fail("routing", exc)
 
-                async with lease:
+                with lease:
                     return await relay(request, lease.response, lease.sender, visibility_headers(plan), observer, finish)
             finally:
                 duration = time.perf_counter() - started
                 # After the response (the end of this loop iteration), before the client's next turn.
                 asyncio.get_running_loop().call_soon(self.remember, scope, wire, raw, body, plan, recalled, guard)
                 try:
-                    self.reporter.report(wire.name, _model(body), body.get("stream") is True, plan, answer, duration)
+                    self.reporter.report(wire.name, model, body.get("stream") is True, plan, answer, duration)
                 except Exception as exc:
                     guard.fail("report", exc)
         finally:
@@ -245,19 +247,19 @@ class Pipeline:
     async def passthrough(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         """A request no wire API understands: forwarded and relayed untouched, not observed."""
         lease = await self.send(request, self.router.route(None), lambda _: Outgoing(raw, False), Answer(), time.perf_counter())
-        async with lease:
+        with lease:
             return await relay(request, lease.response, lease.sender, {}, Untouched(), lease.done)
 
-    async def record(self, plan: TurnPlan | None, body: dict[str, Any], answer: Answer, guard: FailOpen) -> None:
-        """Price the turn and store it, before the response's last bytes go out."""
+    async def record(self, plan: TurnPlan | None, model: str, answer: Answer, guard: FailOpen, answered: bool) -> None:
+        """Price the turn and store it (``answered``: with a 2xx status), before the response's
+        last bytes go out."""
         usage = answer.usage
-        model = _model(body)
         if usage is not None:
             try:
                 answer.cost = cost_of(usage, self.prices.lookup(model))
             except Exception as exc:
                 guard.fail("usage", exc)
-        if plan is None or plan.match is None or not _ok(answer.status):
+        if plan is None or plan.match is None or not answered:
             return
         try:
             turn = turn_write(

@@ -91,11 +91,13 @@ async def _relay_events(
     await out.prepare(request)
     try:
         while True:
-            try:
-                chunk = await sender.read_chunk(upstream)
-            except ProxyError as exc:
-                outcome.upstream_error = exc
-                break
+            chunk = upstream.ready()  # what arrived already, without a coroutine per level
+            if chunk is None:
+                try:
+                    chunk = await sender.read_chunk(upstream)
+                except ProxyError as exc:
+                    outcome.upstream_error = exc
+                    break
             events = decoder.feed(chunk) if chunk else decoder.flush()
             if events:
                 keep = []
@@ -133,7 +135,12 @@ async def _relay_whole(
 ) -> web.StreamResponse:
     parts: list[bytes] = []
     try:
-        while chunk := await sender.read_chunk(upstream):
+        while True:
+            chunk = upstream.ready()  # what arrived already, without a coroutine per level
+            if chunk is None:
+                chunk = await sender.read_chunk(upstream)
+            if not chunk:
+                break
             parts.append(chunk)
     except BaseException:
         upstream.close()

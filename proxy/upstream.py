@@ -15,12 +15,11 @@ import logging
 from collections.abc import Mapping
 from typing import Protocol
 
-from aiohttp import hdrs
-from multidict import CIMultiDict
 from yarl import URL
 
 from .config import UpstreamSettings
 from .errors import UpstreamTimeout, UpstreamUnreachable
+from .http1 import forward_request_headers, forward_response_headers
 from .transport import (
     ConnectFailed,
     Disconnected,
@@ -31,70 +30,11 @@ from .transport import (
     TransportError,
 )
 
+__all__ = [
+    "ReplicaSender", "Upstream", "UpstreamSender", "forward_request_headers", "forward_response_headers", "never_sent",
+]
+
 log = logging.getLogger(__name__)
-
-
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        hdrs.CONNECTION,
-        "Keep-Alive",
-        hdrs.PROXY_AUTHENTICATE,
-        hdrs.PROXY_AUTHORIZATION,
-        hdrs.TE,
-        "Trailer",
-        hdrs.TRAILER,
-        hdrs.TRANSFER_ENCODING,
-        hdrs.UPGRADE,
-    )
-)
-# Recomputed by aiohttp for the bytes actually sent.
-_REQUEST_DROP = HOP_BY_HOP | {hdrs.HOST.lower(), hdrs.CONTENT_LENGTH.lower(), hdrs.ACCEPT_ENCODING.lower()}
-# With upstream.api_key, no client credential travels.
-_KEYED_DROP = _REQUEST_DROP | {"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key", "x-goog-api-key"}
-# The relay sets the length of what it sends.
-_RESPONSE_DROP = HOP_BY_HOP | {hdrs.CONTENT_LENGTH.lower()}
-# A gzip or deflate body is decoded here (to observe usage): its encoding no longer applies.
-_DECODED_DROP = _RESPONSE_DROP | {hdrs.CONTENT_ENCODING.lower()}
-
-
-def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
-    """Header names listed in ``Connection`` are hop-by-hop too (RFC 9110 7.6.1), from every
-    ``Connection`` field line (RFC 9110 5.3 combines them)."""
-    getall = getattr(headers, "getall", None)
-    values: list[str] = getall(hdrs.CONNECTION, []) if getall is not None else [headers.get(hdrs.CONNECTION, "")]
-    return {t.strip().lower() for value in values for t in value.split(",") if t.strip()}
-
-
-def forward_request_headers(incoming: Mapping[str, str], api_key: str = "") -> CIMultiDict[str]:
-    """The client's headers minus hop-by-hop ones. With ``api_key`` set, no client credential
-    travels upstream (``Authorization``, ``Proxy-Authorization``, ``Cookie``, ``X-Api-Key``,
-    ``api-key``, ``x-goog-api-key`` are removed) and ``Authorization`` carries ``api_key``."""
-    drop = _KEYED_DROP if api_key else _REQUEST_DROP
-    if hdrs.CONNECTION in incoming:
-        drop = drop | _connection_tokens(incoming)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in incoming.items():
-        if name.lower() not in drop:
-            out.add(name, value)
-    if api_key:
-        out[hdrs.AUTHORIZATION] = f"Bearer {api_key}"
-    # Only encodings this side can decode (the body is observed on its way back).
-    out[hdrs.ACCEPT_ENCODING] = "gzip, deflate"
-    return out
-
-
-def forward_response_headers(upstream: Mapping[str, str], decoded: bool = True) -> CIMultiDict[str]:
-    """The upstream's response headers minus hop-by-hop and length headers, and minus the
-    encoding of a body that was ``decoded`` on its way through."""
-    drop = _DECODED_DROP if decoded else _RESPONSE_DROP
-    if hdrs.CONNECTION in upstream:
-        drop = drop | _connection_tokens(upstream)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in upstream.items():
-        if name.lower() not in drop:
-            out.add(name, value)
-    return out
 
 
 def never_sent(exc: BaseException) -> bool:

@@ -88,6 +88,8 @@ class Router:
         )
         self.pooled = len(self.replicas) > 1
         self.policy = settings.policy
+        self.remembers = self.pooled and self.policy == "prefix"
+        """Answers teach where a prefix lives (:meth:`remember`)."""
         self.factor = settings.max_load_factor
         self.affinity: Affinity = affinity if affinity is not None else LocalAffinity(settings.affinity_entries)
         self.shards = KeyShards(settings.prompt_cache_key_rpm) if settings.prompt_cache_key == "session" else None
@@ -152,7 +154,7 @@ class Router:
 
     async def remember(self, plan: TurnPlan | None, replica: Replica) -> None:
         """``replica`` answered ``plan``'s request: its prefix (from the deepest matched key on) lives there."""
-        if not self.pooled or self.policy != "prefix" or plan is None or plan.match is None:
+        if not self.remembers or plan is None or plan.match is None:
             return
         keys = plan.match.keys
         start = max(plan.match.matched - 1, LEADING)
@@ -229,8 +231,11 @@ class Route:
         router = self.router
         tried: set[int] = set()
         while True:
-            replica, kind = await router.place(self.plan, tried)
-            router.decided(kind)
+            if router.pooled:
+                replica, kind = await router.place(self.plan, tried)
+                router.decided(kind)
+            else:
+                replica = router.replicas[0]  # nothing to choose, nothing to count
             outgoing = prepare(replica)
             trial = replica.health.begin()
             replica.inflight += 1
@@ -257,7 +262,7 @@ class Route:
 
 @dataclass(slots=True, eq=False)
 class Lease(Generic[OutT]):
-    """A request sent to a replica, until its response is over (``async with`` frees the slot)."""
+    """A request sent to a replica, until its response is over (``with`` frees the slot)."""
 
     router: Router
     plan: TurnPlan | None
@@ -284,13 +289,13 @@ class Lease(Generic[OutT]):
             self.router.failed(self.replica, self.trial, refused=False, why=why)
             return
         self.replica.health.success(self.trial)
-        if 200 <= status < 300:
+        if 200 <= status < 300 and self.router.remembers:
             await self.router.remember(self.plan, self.replica)
 
-    async def __aenter__(self) -> Lease[OutT]:
+    def __enter__(self) -> Lease[OutT]:
         return self
 
-    async def __aexit__(
+    def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.replica.inflight -= 1

@@ -1,0 +1,503 @@
+"""HTTP/1.1 on the request path, compiled (:mod:`proxy.native`): which headers travel, the
+request's head, and the connection's side of the upstream transport.
+
+Every request runs through this module three times: its headers are filtered on the way up
+(:func:`forward_request_headers`) and written into a request head (:func:`request_head`); the
+response is parsed by ``httptools`` calling back into a :class:`Connection` and buffered in
+its :class:`Body`; its headers are filtered on the way down (:func:`forward_response_headers`).
+None of it waits, so all of it is compiled: as plain Python it was about 900 interpreted
+opcodes per request. What waits (taking a connection, the response's headers, a body chunk
+that has not arrived) stays plain Python in :mod:`proxy.transport`, which subclasses
+:class:`Body` with the reads that wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Final, Protocol
+
+import httptools
+from aiohttp import hdrs
+from multidict import CIMultiDict, CIMultiDictProxy
+from mypy_extensions import mypyc_attr
+
+__all__ = [
+    "HIGH_WATER",
+    "HOP_BY_HOP",
+    "Body",
+    "ConnectFailed",
+    "Connection",
+    "Disconnected",
+    "Malformed",
+    "TransportError",
+    "forward_request_headers",
+    "forward_response_headers",
+    "request_head",
+]
+
+HIGH_WATER: Final = 256 * 1024
+"""Decoded bytes buffered for a reader before the socket stops being read (until the reader
+takes them: each read takes the whole buffer)."""
+
+# -- which headers travel ------------------------------------------------------------------------
+
+HOP_BY_HOP: Final = frozenset(
+    h.lower()
+    for h in (
+        hdrs.CONNECTION,
+        "Keep-Alive",
+        hdrs.PROXY_AUTHENTICATE,
+        hdrs.PROXY_AUTHORIZATION,
+        hdrs.TE,
+        hdrs.TRAILER,
+        hdrs.TRANSFER_ENCODING,
+        hdrs.UPGRADE,
+    )
+)
+# Recomputed by the transport for the bytes actually sent.
+_REQUEST_DROP: Final = HOP_BY_HOP | {"host", "content-length", "accept-encoding"}
+# With upstream.api_key, no client credential travels.
+_KEYED_DROP: Final = _REQUEST_DROP | {"authorization", "proxy-authorization", "cookie", "x-api-key", "api-key", "x-goog-api-key"}
+# The relay sets the length of what it sends.
+_RESPONSE_DROP: Final = HOP_BY_HOP | {"content-length"}
+# A gzip or deflate body is decoded here (to observe usage): its encoding no longer applies.
+_DECODED_DROP: Final = _RESPONSE_DROP | {"content-encoding"}
+
+
+def connection_tokens(headers: Mapping[str, str]) -> set[str]:
+    """Header names listed in ``Connection`` are hop-by-hop too (RFC 9110 7.6.1), from every
+    ``Connection`` field line (RFC 9110 5.3 combines them)."""
+    getall = getattr(headers, "getall", None)
+    values: list[str] = getall("Connection", []) if getall is not None else [headers.get("Connection", "")]
+    return {t.strip().lower() for value in values for t in value.split(",") if t.strip()}
+
+
+def forward_request_headers(incoming: Mapping[str, str], api_key: str = "") -> CIMultiDict[str]:
+    """The client's headers minus hop-by-hop ones. With ``api_key`` set, no client credential
+    travels upstream (``Authorization``, ``Proxy-Authorization``, ``Cookie``, ``X-Api-Key``,
+    ``api-key``, ``x-goog-api-key`` are removed) and ``Authorization`` carries ``api_key``."""
+    drop = _KEYED_DROP if api_key else _REQUEST_DROP
+    if "Connection" in incoming:
+        drop = drop | connection_tokens(incoming)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in incoming.items():
+        if name.lower() not in drop:
+            out.add(name, value)
+    if api_key:
+        out["Authorization"] = f"Bearer {api_key}"
+    # Only encodings this side can decode (the body is observed on its way back).
+    out["Accept-Encoding"] = "gzip, deflate"
+    return out
+
+
+def forward_response_headers(upstream: Mapping[str, str], decoded: bool = True) -> CIMultiDict[str]:
+    """The upstream's response headers minus hop-by-hop and length headers, and minus the
+    encoding of a body that was ``decoded`` on its way through."""
+    drop = _DECODED_DROP if decoded else _RESPONSE_DROP
+    if "Connection" in upstream:
+        drop = drop | connection_tokens(upstream)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in upstream.items():
+        if name.lower() not in drop:
+            out.add(name, value)
+    return out
+
+
+_BODYLESS_METHODS: Final = frozenset(("GET", "HEAD", "DELETE", "OPTIONS", "TRACE", "CONNECT"))
+
+
+def request_head(method: str, target: str, host: str, headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
+    """The request line and headers, with ``Host`` and ``Content-Length`` for the bytes sent.
+    Raises ValueError when a header or the request line holds a line break."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]
+    for name, value in headers:
+        lines.append(f"{name}: {value}\r\n")
+    if body or method not in _BODYLESS_METHODS:
+        lines.append(f"Content-Length: {len(body)}\r\n")
+    lines.append("\r\n")
+    head = "".join(lines)
+    breaks = len(lines) + 1  # one per line, two in the first (the request line and Host)
+    if head.count("\n") != breaks or head.count("\r") != breaks:
+        raise ValueError("a request header or the request line holds a line break")
+    return head.encode("utf-8", "surrogateescape")
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+class TransportError(Exception):
+    """Base of the transport's errors."""
+
+
+class ConnectFailed(TransportError):
+    """No connection could be opened: the request was never sent."""
+
+
+class Disconnected(TransportError):
+    """The connection closed before the response was complete."""
+
+    def __init__(self, message: str, *, before_response: bool) -> None:
+        super().__init__(message)
+        self.before_response = before_response
+        """Not one byte of a response had arrived (a keep-alive connection the server had closed)."""
+
+
+class Malformed(TransportError):
+    """The upstream's response is not valid HTTP/1.1."""
+
+
+# -- a response's body, as it arrives --------------------------------------------------------------
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # proxy.transport.Response adds the reads that wait
+class Body:
+    """One upstream response: status and headers at once, the body buffered as it arrives
+    (:meth:`take`). ``release()`` once the body was read to its end returns the connection to
+    the pool; ``close()`` (any time) closes it."""
+
+    def __init__(self, conn: Connection, status: int, reason: str, headers: CIMultiDict[str], no_body: bool) -> None:
+        self._conn: Connection | None = conn
+        self.status = status
+        self.reason = reason
+        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(headers)
+        length = headers.get("Content-Length")
+        self.content_length: int | None = int(length) if length is not None and length.isdigit() else None
+        mime = headers.get("Content-Type", "application/octet-stream")
+        self.content_type = mime.partition(";")[0].strip().lower()
+        encoding = headers.get("Content-Encoding", "")
+        self._decoder = _decoder(encoding.strip().lower()) if encoding else None
+        self.decoded = self._decoder is not None
+        """The body arrives decoded (it was gzip or deflate): its encoding and length no longer apply."""
+        chunked = headers.get("Transfer-Encoding")
+        self._chunked = chunked is not None and "chunked" in chunked.lower()
+        self._no_body = no_body
+        self._until_eof = not no_body and self.content_length is None and not self._chunked
+        """The body ends when the connection closes (no length, not chunked)."""
+        self._buffer: list[bytes] = []
+        self._buffered = 0
+        self._done = no_body
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self.deadline = float("inf")
+        """The loop time by which the whole body must have arrived (reads wait no later)."""
+
+    # -- the reader's side ----------------------------------------------------------------------
+
+    def take(self) -> bytes | None:
+        """Every body byte that arrived since the last read, in one piece; ``b""`` at the end;
+        None when nothing arrived yet (the caller waits). Raises the response's error."""
+        buffer = self._buffer
+        if not buffer:
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return b""
+            return None
+        # One piece (one chunk is not copied): a stream's events come a chunk each, and a
+        # reader that relays them writes once per read, not once per event.
+        chunk = buffer[0] if len(buffer) == 1 else b"".join(buffer)
+        buffer.clear()
+        self._buffered = 0
+        conn = self._conn
+        if conn is not None and conn.paused:
+            conn.resume()
+        return chunk
+
+    def ready(self) -> bytes | None:
+        """What :meth:`take` would return without waiting and without an error: the bytes that
+        arrived, or ``b""`` at a clean end; None otherwise (the caller reads through its
+        sender, which waits within its timeout and converts the error)."""
+        if self._buffer or (self._done and self._error is None):
+            return self.take()
+        return None
+
+    @property
+    def complete(self) -> bool:
+        """Every byte of the body arrived."""
+        return self._done
+
+    def release(self) -> None:
+        """Done with the response: its connection goes back to the pool when the body was read
+        whole and the upstream keeps it alive; otherwise it is closed."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.finished(self._done and not self._buffer and self._error is None)
+
+    def close(self) -> None:
+        """Abandon the response: its connection is closed."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.finished(False)
+
+    # -- the connection's side ------------------------------------------------------------------
+
+    def _feed(self, data: bytes) -> None:
+        if self._done:
+            return  # bytes past the end of this response (the connection is being dropped)
+        decoder = self._decoder
+        kept = data if decoder is None else self._decompressed(decoder, data)
+        if kept:  # (a reader woken with nothing would take it for the end)
+            self._buffer.append(kept)
+            self._buffered += len(kept)
+            self._wake()
+
+    def _end(self) -> None:
+        decoder = self._decoder
+        if decoder is not None:
+            try:
+                rest = decoder.flush()
+            except zlib.error as exc:
+                self._fail(Malformed(f"the response body could not be decoded: {exc}"))
+                return
+            if rest:
+                self._buffer.append(rest)
+                self._buffered += len(rest)
+            if decoder.cut_short:
+                self._fail(Malformed("the response body ends mid-stream"))
+                return
+        self._done = True
+        self._wake()
+
+    def _decompressed(self, decoder: Decoder, data: bytes) -> bytes:
+        """``data`` decoded; b"" (the response failed) when the bytes do not decode."""
+        try:
+            return decoder.decompress(data)
+        except zlib.error as exc:
+            self._fail(Malformed(f"the response body could not be decoded: {exc}"))
+            return b""
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None and not self._done:
+            self._error = exc
+        self._wake()
+
+    def _lost(self, exc: BaseException | None) -> None:
+        """The connection closed: the end of a body delimited by it, or a broken one."""
+        if self._done:
+            return
+        if self._until_eof and exc is None:
+            self._end()
+        else:
+            detail = f": {exc}" if exc is not None else ""
+            self._fail(Disconnected(f"the upstream closed the connection mid-response{detail}", before_response=False))
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class Decoder:
+    """gzip or zlib-wrapped deflate, or raw deflate (some servers send it as ``deflate``)."""
+
+    def __init__(self, wbits: int) -> None:
+        self._wbits = wbits
+        self._obj: zlib._Decompress | None = None
+        self._head = b""
+
+    def decompress(self, data: bytes) -> bytes:
+        obj = self._obj
+        if obj is None:
+            self._head += data
+            if len(self._head) < 2:
+                return b""  # too few bytes yet to tell a zlib header from raw deflate
+            data, self._head = self._head, b""
+            wbits = self._wbits
+            if wbits == zlib.MAX_WBITS and not (data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0):
+                wbits = -zlib.MAX_WBITS  # no zlib header (RFC 1950 2.2): raw deflate
+            obj = self._obj = zlib.decompressobj(wbits)
+        return obj.decompress(data)
+
+    def flush(self) -> bytes:
+        return b"" if self._obj is None else self._obj.flush()
+
+    @property
+    def cut_short(self) -> bool:
+        """Bytes arrived but their stream did not end (a truncated body)."""
+        return bool(self._head) or (self._obj is not None and not self._obj.eof)
+
+
+def _decoder(encoding: str) -> Decoder | None:
+    if encoding in ("gzip", "x-gzip"):
+        return Decoder(16 + zlib.MAX_WBITS)
+    if encoding == "deflate":
+        return Decoder(zlib.MAX_WBITS)
+    return None  # identity, or one kvwarm does not decode: relayed as it came
+
+
+# -- one connection --------------------------------------------------------------------------------
+
+
+class ConnectionPool(Protocol):
+    """What a connection needs of its pool (:class:`proxy.transport.Pool`)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def idle(self, conn: Connection) -> None: ...
+
+    def forget(self, conn: Connection) -> None: ...
+
+
+class Connection:
+    """One keep-alive connection, an asyncio protocol: requests written whole, responses parsed
+    as they arrive (``httptools`` calls back ``on_*``)."""
+
+    def __init__(self, pool: ConnectionPool, make_body: MakeBody) -> None:
+        self.pool = pool
+        self.loop = pool.loop
+        self.make_body = make_body
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: Body | None = None
+        """The response being received (None between requests)."""
+        self.waiter: asyncio.Future[Body] | None = None
+        """Resolved with the response once its headers arrived."""
+        self.no_body = False
+        """The request was ``HEAD``: its response has headers only."""
+        self.received = False
+        """A byte of the current request's response arrived."""
+        self.closed = False
+        self.paused = False
+        self.keep_alive = True
+        self._headers: CIMultiDict[str] = CIMultiDict()
+        self._reason = ""
+        self.lost: asyncio.Future[None] = self.loop.create_future()
+        """Resolved once the connection is closed (``close()`` waits for it)."""
+
+    # -- asyncio's protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
+
+    def data_received(self, data: bytes) -> None:
+        if self.waiter is None and self.response is None:
+            self.abort()  # bytes nobody asked for: the connection cannot be trusted
+            return
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._error(Malformed("the upstream switched protocols"))
+        except httptools.HttpParserError as exc:
+            self._error(Malformed(f"the upstream's response is not valid HTTP/1.1: {exc}"))
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        if not self.lost.done():
+            self.lost.set_result(None)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            detail = f": {exc}" if exc is not None else ""
+            waiter.set_exception(Disconnected(f"the upstream closed the connection{detail}", before_response=not self.received))
+        if self.response is not None:
+            self.response._lost(exc)
+
+    def pause_writing(self) -> None:  # a request larger than the socket buffer: the transport buffers it
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks --------------------------------------------------------------------
+
+    def on_status(self, status: bytes) -> None:
+        self._reason += status.decode("latin-1")  # called once per piece of the line read
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.response is not None:
+            return  # a trailer of the response being received: not a header of the next one
+        self._headers.add(name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
+
+    def on_headers_complete(self) -> None:
+        status: int = self.parser.get_status_code()
+        if 100 <= status < 200:
+            self._headers = CIMultiDict()  # an interim response (100 Continue): the real one follows
+            self._reason = ""
+            return
+        waiter = self.waiter
+        if waiter is None:  # a second response to one request: the connection cannot be trusted
+            self._error(Malformed("the upstream sent a response nobody asked for"))
+            return
+        self.keep_alive = bool(self.parser.should_keep_alive())
+        no_body = self.no_body or status == 204 or status == 304
+        response = self.make_body(self, status, self._reason, self._headers, no_body)
+        self._headers = CIMultiDict()
+        self._reason = ""
+        self.response = response
+        self.waiter = None
+        if not waiter.done():
+            waiter.set_result(response)
+        if self.no_body:
+            self.keep_alive = False  # llhttp would wait for a HEAD response's announced body
+
+    def on_body(self, body: bytes) -> None:
+        response = self.response
+        if response is not None:
+            response._feed(body)
+            if response._buffered > HIGH_WATER and not self.paused and self.transport is not None:
+                self.paused = True
+                self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        if response is not None and not response._done:
+            response._end()
+
+    # -- the pool's side -------------------------------------------------------------------------
+
+    def send(self, head: bytes, body: bytes, no_body: bool) -> asyncio.Future[Body]:
+        transport = self.transport
+        assert transport is not None
+        self.no_body = no_body
+        self.received = False
+        waiter: asyncio.Future[Body] = self.loop.create_future()
+        self.waiter = waiter
+        try:
+            if body:
+                transport.writelines((head, body))
+            else:
+                transport.write(head)
+        except (RuntimeError, OSError) as exc:  # closed under us (uvloop raises, asyncio logs)
+            self.waiter = None
+            raise Disconnected(f"the connection could not be written: {exc}", before_response=True) from exc
+        return waiter
+
+    def resume(self) -> None:
+        self.paused = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def finished(self, reusable: bool) -> None:
+        """The response's reader is done with this connection."""
+        self.response = None
+        if self.paused:
+            self.resume()
+        if reusable and self.keep_alive and not self.closed:
+            self.pool.idle(self)
+        else:
+            self.abort()
+            self.pool.forget(self)
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def _error(self, exc: TransportError) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+        if self.response is not None:
+            self.response._fail(exc)
+        self.abort()
+
+
+MakeBody = Callable[[Connection, int, str, CIMultiDict[str], bool], Body]
+"""The class a connection's responses are (:class:`proxy.transport.Response`)."""
