@@ -121,16 +121,36 @@ async def read_body(request: web.Request, settings: ServerSettings) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body of {request.content_length} bytes exceeds the {limit}-byte limit")
     try:
-        if request.content.is_eof():  # all of it arrived with the headers: nothing to wait for
-            return await request.read()
+        if request._read_bytes is not None:  # read already
+            return request._read_bytes
+        content = request.content
+        if content.is_eof():  # all of it arrived with the headers: nothing to wait for
+            return _kept(request, content.read_nowait(), limit)
         async with asyncio.timeout(settings.body_timeout):
-            return await request.read()
+            chunks: list[bytes] = []
+            size = 0
+            while chunk := await content.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise web.HTTPRequestEntityTooLarge(limit, size)
+                chunks.append(chunk)
+            return _kept(request, b"".join(chunks), limit)
     except TimeoutError as exc:
         raise BodyTimeout(f"the request body did not arrive within {settings.body_timeout:g} seconds") from exc
     except web.HTTPRequestEntityTooLarge as exc:
         raise BodyTooLarge(f"request body exceeds the {limit}-byte limit") from exc
     except web.RequestPayloadError as exc:
         raise BodyMalformed(f"the request body could not be read: {type(exc.__cause__ or exc).__name__}") from exc
+
+
+def _kept(request: web.Request, body: bytes, limit: int) -> bytes:
+    """``body``, kept where ``request.read()`` (and ``json()``, ``text()``) finds it. Read here
+    rather than by ``request.read()``, which copies every body twice (into a bytearray, then
+    into bytes): one that arrived in one piece is not copied at all, another once."""
+    if len(body) > limit:
+        raise web.HTTPRequestEntityTooLarge(limit, len(body))
+    request._read_bytes = body
+    return body
 
 
 @web.middleware

@@ -66,6 +66,11 @@ _RESPONSE_DROP: Final = HOP_BY_HOP | {"content-length"}
 _DECODED_DROP: Final = _RESPONSE_DROP | {"content-encoding"}
 
 
+SERVER_DECODES: Final = frozenset(("gzip", "deflate", "br", "zstd"))
+"""Request ``Content-Encoding`` values aiohttp's server decodes before the body is read (the
+value whole, as its parser compares it): such a body is forwarded decoded."""
+
+
 def connection_tokens(headers: Mapping[str, str]) -> set[str]:
     """Header names listed in ``Connection`` are hop-by-hop too (RFC 9110 7.6.1), from every
     ``Connection`` field line (RFC 9110 5.3 combines them)."""
@@ -75,12 +80,16 @@ def connection_tokens(headers: Mapping[str, str]) -> set[str]:
 
 
 def forward_request_headers(incoming: Mapping[str, str], api_key: str = "") -> CIMultiDict[str]:
-    """The client's headers minus hop-by-hop ones. With ``api_key`` set, no client credential
+    """The client's headers minus hop-by-hop ones, and minus the ``Content-Encoding`` of a body the
+    server decoded (:data:`SERVER_DECODES`). With ``api_key`` set, no client credential
     travels upstream (``Authorization``, ``Proxy-Authorization``, ``Cookie``, ``X-Api-Key``,
     ``api-key``, ``x-goog-api-key`` are removed) and ``Authorization`` carries ``api_key``."""
     drop = _KEYED_DROP if api_key else _REQUEST_DROP
     if "Connection" in incoming:
         drop = drop | connection_tokens(incoming)
+    encoding = incoming.get("Content-Encoding")
+    if encoding is not None and encoding.isascii() and encoding.lower() in SERVER_DECODES:
+        drop = drop | {"content-encoding"}  # the body forwarded is the decoded one
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in incoming.items():
         if name.lower() not in drop:

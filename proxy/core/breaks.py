@@ -116,25 +116,23 @@ class Break:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    return _common_run(n, lambda lo, hi: a[lo:hi] == b[lo:hi])
+    return _common_run(a, b, min(len(a), len(b)), False)
 
 
 def _common_suffix(a: str, b: str, limit: int) -> int:
     """Length of the common suffix, at most ``limit``."""
-    la, lb = len(a), len(b)
-    return _common_run(limit, lambda lo, hi: a[la - hi : la - lo] == b[lb - hi : lb - lo])
+    return _common_run(a, b, limit, True)
 
 
-def _common_run(n: int, same: Callable[[int, int], bool]) -> int:
-    """The largest ``k <= n`` with ``same(0, k)``, given ``same(lo, hi)`` compares the span
-    ``lo..hi`` of two texts (from their starts or their ends). Galloping, then a binary search
-    inside the last step, on slice equality (memcmp speed): the slices compared add up to
-    about twice the answer, not log(n) times the text."""
+def _common_run(a: str, b: str, n: int, from_end: bool) -> int:
+    """The largest ``k <= n`` such that ``a`` and ``b`` agree on their first (``from_end``: last)
+    ``k`` characters. Galloping, then a binary search inside the last step, on substring
+    comparisons (memcmp speed): the spans compared add up to about twice the answer, not
+    log(n) times the text."""
     lo, step = 0, 64
-    while lo < n:  # same(0, lo): extend by doubling steps
+    while lo < n:  # they agree on 0..lo: extend by doubling steps
         hi = min(n, lo + step)
-        if not same(lo, hi):
+        if not _same(a, b, lo, hi, from_end):
             hi -= 1
             break
         lo, step = hi, step * 2
@@ -142,11 +140,21 @@ def _common_run(n: int, same: Callable[[int, int], bool]) -> int:
         return n
     while lo < hi:  # the answer is in [lo, hi]
         mid = (lo + hi + 1) // 2
-        if same(lo, mid):
+        if _same(a, b, lo, mid, from_end):
             lo = mid
         else:
             hi = mid - 1
     return lo
+
+
+def _same(a: str, b: str, lo: int, hi: int, from_end: bool) -> bool:
+    """``a`` and ``b`` agree on the span ``lo..hi``, counted from their starts (or ends). Only
+    ``b``'s span is copied: ``a``'s is compared in place (a diagnosis compares a request's
+    text with 32 stored siblings, some 25 spans each)."""
+    if from_end:
+        la, lb = len(a), len(b)
+        return a.endswith(b[lb - hi : lb - lo], 0, la - lo)
+    return a.startswith(b[lo:hi], lo)
 
 
 def _token_char(c: str) -> bool:

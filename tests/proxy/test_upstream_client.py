@@ -477,11 +477,20 @@ def test_request_drops_host_and_length_and_response_drops_length_and_encoding() 
         [("Host", "h"), ("Content-Length", "9"), ("Content-Encoding", "gzip"), ("Accept-Encoding", "br"), ("X-A", "a")]
     )
     assert dict(forward_request_headers(headers)) == {
-        "Content-Encoding": "gzip",  # the request body travels as the client encoded it
+        # (the server decoded the gzip body: it travels decoded, without its encoding)
         "X-A": "a",
         "Accept-Encoding": "gzip, deflate",
     }
     assert dict(forward_response_headers(headers)) == {"Host": "h", "Accept-Encoding": "br", "X-A": "a"}
+
+
+@pytest.mark.parametrize("encoding", ["compress", "gzip, br", "x-gzip", "identity"])
+def test_a_request_encoding_the_server_does_not_decode_travels_with_the_body(encoding: str) -> None:
+    """aiohttp decodes a request body only for a ``Content-Encoding`` of exactly one of gzip,
+    deflate, br or zstd: any other body is forwarded as the client encoded it, with its encoding."""
+    headers = CIMultiDict([("Content-Encoding", encoding), ("X-A", "a")])
+    assert forward_request_headers(headers)["Content-Encoding"] == encoding
+    assert "Content-Encoding" not in forward_request_headers(CIMultiDict([("Content-Encoding", "GZip")]))
 
 
 def test_names_in_every_connection_field_line_are_hop_by_hop() -> None:

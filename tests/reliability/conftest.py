@@ -20,10 +20,11 @@ from aiohttp.test_utils import TestServer
 
 @dataclass
 class Recorder:
-    """An upstream that records every request (raw path, headers) and answers a small JSON."""
+    """An upstream that records every request (raw path, headers, body as read) and answers a small JSON."""
 
     paths: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    bodies: list[bytes] = field(default_factory=list)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -33,7 +34,7 @@ class Recorder:
     async def handle(self, request: web.Request) -> web.Response:
         self.paths.append(request.raw_path)
         self.headers.append(dict(request.headers))
-        await request.read()
+        self.bodies.append(await request.read())
         return web.json_response({"object": "list", "data": []})
 
 

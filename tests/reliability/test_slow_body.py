@@ -9,8 +9,10 @@ timeout plus a little, and nothing reaches the upstream.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import time
 
+import pytest
 from aiohttp.test_utils import TestServer
 
 from tests.conftest import ProxyFactory
@@ -116,3 +118,80 @@ async def test_a_chunked_body_broken_midway_is_bounded_by_the_body_timeout(
     assert response.status == 408, response
     assert response.error()["code"] == "request_timeout"
     assert rec.paths == []
+
+
+def chunked(body: bytes, piece: int) -> bytes:
+    """``body`` in chunked framing, ``piece`` bytes a chunk."""
+    out = b"".join(b"%x\r\n%s\r\n" % (len(body[i : i + piece]), body[i : i + piece]) for i in range(0, len(body), piece))
+    return out + b"0\r\n\r\n"
+
+
+CHUNKED_HEAD = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvwarm\r\nContent-Type: application/json\r\n"
+    b"Authorization: Bearer sk-chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+async def test_a_chunked_body_over_the_limit_is_413_and_never_forwarded(
+    make_proxy: ProxyFactory, recorder: tuple[Recorder, TestServer]
+) -> None:
+    """No ``Content-Length`` to refuse it by: the limit holds while the pieces arrive."""
+    rec, upstream = recorder
+    proxy = await make_proxy(str(upstream.make_url("/v1")), server__max_body_bytes=1000)
+    body = b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 3000 + b'"}]}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        writer.write(CHUNKED_HEAD)
+        framed = chunked(body, 256)
+        for i in range(0, len(framed), 700):
+            writer.write(framed[i : i + 700])
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        response = await read_response(reader, 5.0)
+    finally:
+        writer.close()
+    assert response.status == 413, response
+    assert response.error()["code"] == "request_too_large"
+    assert rec.paths == []
+
+
+@pytest.mark.parametrize(("piece", "pause"), [(10_000, 0.0), (97, 0.0), (97, 0.01)])
+async def test_a_body_is_forwarded_as_it_arrived_in_one_piece_or_many(
+    make_proxy: ProxyFactory, recorder: tuple[Recorder, TestServer], piece: int, pause: float
+) -> None:
+    """The body kvwarm reads (in one piece with the headers, in chunks already there, or in chunks
+    still arriving) is the body forwarded, byte for byte."""
+    rec, upstream = recorder
+    proxy = await make_proxy(str(upstream.make_url("/v1")))
+    body = b'{"model":"m","messages":[{"role":"user","content":"' + bytes(range(65, 91)) * 150 + b'"}]}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    try:
+        framed = CHUNKED_HEAD + chunked(body, piece)
+        for i in range(0, len(framed), piece if pause else len(framed)):
+            writer.write(framed[i : i + piece] if pause else framed)
+            await writer.drain()
+            await asyncio.sleep(pause)
+        response = await read_response(reader, 5.0)
+    finally:
+        writer.close()
+    assert response.status == 200, response
+    assert rec.bodies == [body]
+
+
+async def test_a_compressed_body_is_forwarded_decoded_without_its_encoding(
+    make_proxy: ProxyFactory, recorder: tuple[Recorder, TestServer]
+) -> None:
+    """The server decodes a gzip body before kvwarm reads it: the bytes forwarded are the decoded
+    ones, so ``Content-Encoding`` must not travel with them (the upstream would try to decode them again)."""
+    rec, upstream = recorder
+    proxy = await make_proxy(str(upstream.make_url("/v1")))
+    body = b'{"model":"m","messages":[{"role":"user","content":"compressed"}]}'
+    packed = gzip.compress(body)
+    response = await exchange(
+        proxy.port,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvwarm\r\nContent-Type: application/json\r\n"
+        b"Content-Encoding: gzip\r\nContent-Length: " + str(len(packed)).encode() + b"\r\n\r\n" + packed,
+    )
+    assert response.status == 200, response
+    assert rec.bodies == [body]
+    assert "content-encoding" not in {k.lower() for k in rec.headers[0]}
