@@ -148,13 +148,14 @@ def _common_run(a: str, b: str, n: int, from_end: bool) -> int:
 
 
 def _same(a: str, b: str, lo: int, hi: int, from_end: bool) -> bool:
-    """``a`` and ``b`` agree on the span ``lo..hi``, counted from their starts (or ends). Only
-    ``b``'s span is copied: ``a``'s is compared in place (a diagnosis compares a request's
-    text with 32 stored siblings, some 25 spans each)."""
+    """``a`` and ``b`` agree on the span ``lo..hi``, counted from their starts (or ends). Slices,
+    not ``startswith``: a slice takes the narrowest kind its characters allow, so equal spans
+    compare by memcmp, where ``startswith`` of a wide text with a narrow span compares
+    character by character."""
     if from_end:
         la, lb = len(a), len(b)
-        return a.endswith(b[lb - hi : lb - lo], 0, la - lo)
-    return a.startswith(b[lo:hi], lo)
+        return a[la - hi : la - lo] == b[lb - hi : lb - lo]
+    return a[lo:hi] == b[lo:hi]
 
 
 def _token_char(c: str) -> bool:
