@@ -25,7 +25,7 @@ from .appkeys import ACTIVITY, HISTORY, METRICS, PIPELINE, PRICES, READY, REGIST
 from .config import Settings
 from .core.pricing import PriceTable
 from .errors import MetricsUnauthorized, ProxyError, error_body
-from .guard import guard_middleware, send_and_close, shown_path
+from .guard import body_arrived, check_path, read_body, send_and_close, shown_path
 from .metrics import ProxyMetrics
 from .pipeline import Pipeline
 from .routing import affinity_for
@@ -55,10 +55,18 @@ def error_response(status: int, message: str, error_type: str, code: str) -> web
 
 
 @web.middleware
-async def errors_middleware(
+async def edge_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
+    """Before any handler runs, the guard's checks (:mod:`proxy.guard`): the path, then the whole
+    body within its size and time limits. A :class:`ProxyError`, a refusal of theirs or a
+    handler's, becomes an OpenAI-shaped error. One middleware, not two: each costs every
+    request a coroutine and a call through aiohttp's chain."""
     try:
+        check_path(request.raw_path, request.path)
+        settings = request.app[SETTINGS].server
+        if body_arrived(request, settings) is None:
+            await read_body(request, settings)
         return await handler(request)
     except ProxyError as exc:
         log.warning("%s %s -> %d %s", request.method, shown_path(request), exc.status, exc)
@@ -79,8 +87,7 @@ def create_app(
     (a local one is wrapped in :class:`LocalStore`)."""
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
-        # errors_middleware first: it turns the guard's refusals into OpenAI-shaped bodies too.
-        middlewares=[errors_middleware, guard_middleware],
+        middlewares=[edge_middleware],
     )
     registry = registry if registry is not None else CollectorRegistry()
     app[SETTINGS] = settings

@@ -13,9 +13,9 @@ request aiohttp cannot even parse is answered by aiohttp itself (a plain-text 40
   separators ``%2f`` / ``%5c`` (they would be forwarded as real ones), backslashes,
   NUL and other control characters, spaces, ``?`` / ``#`` and non-ASCII.
 * **Bodies** (:func:`read_body`): at most ``server.max_body_bytes`` (413), in full
-  within ``server.body_timeout`` seconds (408, and the connection is closed). The
-  :func:`guard_middleware` reads every body this way before any handler runs; a
-  handler's own ``request.read()`` then returns the same bytes at once.
+  within ``server.body_timeout`` seconds (408, and the connection is closed). The app's
+  middleware (``proxy.app.edge_middleware``) reads every body this way before any
+  handler runs; a handler's own ``request.read()`` then returns the same bytes at once.
 * **Headers**: aiohttp has no header-read deadline of its own. Its keep-alive
   timeout starts when a connection opens and again when a response ends, and closes
   the connection if no complete request head arrived by then: :func:`runner_options`
@@ -45,9 +45,7 @@ from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.http import HttpProcessingError
-from aiohttp.typedefs import Handler
 
-from .appkeys import SETTINGS
 from .config import ServerSettings, Settings
 from .errors import (
     BadPath,
@@ -64,9 +62,9 @@ __all__ = [
     "ConnectionCap",
     "GuardedSite",
     "MalformedRequestFilter",
+    "body_arrived",
     "check_path",
     "ensure_fd_limit",
-    "guard_middleware",
     "quiet_malformed_requests",
     "read_body",
     "runner_options",
@@ -117,30 +115,42 @@ async def read_body(request: web.Request, settings: ServerSettings) -> bytes:
     or :class:`BodyMalformed` (400: the client's chunked or compressed framing is broken). aiohttp
     keeps what it read, so calling it again (or ``request.read()``) returns the same bytes.
     """
+    body = body_arrived(request, settings)
+    if body is not None:
+        return body
+    limit = settings.max_body_bytes
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(settings.body_timeout):
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError as exc:
+        raise BodyTimeout(f"the request body did not arrive within {settings.body_timeout:g} seconds") from exc
+    except web.RequestPayloadError as exc:
+        raise _malformed(exc) from exc
+    return _kept(request, b"".join(chunks), limit)
+
+
+def body_arrived(request: web.Request, settings: ServerSettings) -> bytes | None:
+    """The body when it needs no wait (it was read already, or all of it arrived with the
+    headers, as a small one does); None: :func:`read_body` waits for it. Raises as that does."""
     limit = settings.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body of {request.content_length} bytes exceeds the {limit}-byte limit")
+    if request._read_bytes is not None:
+        return request._read_bytes
+    content = request.content
+    if not content.is_eof():
+        return None
     try:
-        if request._read_bytes is not None:  # read already
-            return request._read_bytes
-        content = request.content
-        if content.is_eof():  # all of it arrived with the headers: nothing to wait for
-            return _kept(request, content.read_nowait(), limit)
-        async with asyncio.timeout(settings.body_timeout):
-            chunks: list[bytes] = []
-            size = 0
-            while chunk := await content.readany():
-                size += len(chunk)
-                if size > limit:
-                    raise web.HTTPRequestEntityTooLarge(limit, size)
-                chunks.append(chunk)
-            return _kept(request, b"".join(chunks), limit)
-    except TimeoutError as exc:
-        raise BodyTimeout(f"the request body did not arrive within {settings.body_timeout:g} seconds") from exc
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise BodyTooLarge(f"request body exceeds the {limit}-byte limit") from exc
+        body = content.read_nowait()
     except web.RequestPayloadError as exc:
-        raise BodyMalformed(f"the request body could not be read: {type(exc.__cause__ or exc).__name__}") from exc
+        raise _malformed(exc) from exc
+    return _kept(request, body, limit)
 
 
 def _kept(request: web.Request, body: bytes, limit: int) -> bytes:
@@ -148,17 +158,17 @@ def _kept(request: web.Request, body: bytes, limit: int) -> bytes:
     rather than by ``request.read()``, which copies every body twice (into a bytearray, then
     into bytes): one that arrived in one piece is not copied at all, another once."""
     if len(body) > limit:
-        raise web.HTTPRequestEntityTooLarge(limit, len(body))
+        raise _too_large(limit)
     request._read_bytes = body
     return body
 
 
-@web.middleware
-async def guard_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Path check, then the whole body within its size and time limits, before any handler runs."""
-    check_path(request.raw_path, request.path)
-    await read_body(request, request.app[SETTINGS].server)
-    return await handler(request)
+def _too_large(limit: int) -> BodyTooLarge:
+    return BodyTooLarge(f"request body exceeds the {limit}-byte limit")
+
+
+def _malformed(exc: web.RequestPayloadError) -> BodyMalformed:
+    return BodyMalformed(f"the request body could not be read: {type(exc.__cause__ or exc).__name__}")
 
 
 async def send_and_close(request: web.Request, response: web.StreamResponse) -> None:
