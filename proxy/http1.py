@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Final, Protocol
 
 import httptools
 from aiohttp import hdrs
 from multidict import CIMultiDict, CIMultiDictProxy
-from mypy_extensions import mypyc_attr
 
 __all__ = [
     "HIGH_WATER",
@@ -160,11 +159,15 @@ class Malformed(TransportError):
 # -- a response's body, as it arrives --------------------------------------------------------------
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # proxy.transport.Response adds the reads that wait
 class Body:
-    """One upstream response: status and headers at once, the body buffered as it arrives
-    (:meth:`take`). ``release()`` once the body was read to its end returns the connection to
-    the pool; ``close()`` (any time) closes it."""
+    """One upstream response: status and headers at once, the body read with :meth:`read_chunk`
+    as it arrives. ``release()`` once the body was read to its end returns the connection to
+    the pool; ``close()`` (any time) closes it.
+
+    No coroutine: a read is a future, done at once when bytes are there, else resolved by the
+    connection once a socket read was parsed whole (so a reader takes every chunk that one read
+    brought, in one piece). A plain Python subclass would have made every call to it from
+    compiled code go through a lookup of the method by name."""
 
     def __init__(self, conn: Connection, status: int, reason: str, headers: CIMultiDict[str], no_body: bool) -> None:
         self._conn: Connection | None = conn
@@ -188,11 +191,53 @@ class Body:
         self._buffered = 0
         self._done = no_body
         self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
+        self._reader: asyncio.Future[bytes] | None = None
+        """The read waiting for bytes."""
+        self._timer: asyncio.TimerHandle | None = None
+        """Its timeout."""
         self.deadline = float("inf")
         """The loop time by which the whole body must have arrived (reads wait no later)."""
 
     # -- the reader's side ----------------------------------------------------------------------
+
+    def read_chunk(self, within: float) -> asyncio.Future[bytes]:
+        """Every body byte that arrived since the last read (``b""`` at the end); waits at most
+        ``within`` seconds for them (and never past :attr:`deadline`). Fails with
+        :class:`Disconnected`, :class:`Malformed` or :class:`TimeoutError`."""
+        conn = self._conn
+        if conn is None:
+            loop = asyncio.get_running_loop()
+        else:
+            loop = conn.loop
+        reader: asyncio.Future[bytes] = loop.create_future()
+        try:
+            chunk = self.take()
+        except BaseException as exc:
+            reader.set_exception(exc)
+            return reader
+        if chunk is not None:
+            reader.set_result(chunk)
+        elif conn is None:
+            reader.set_exception(Disconnected("the response was closed", before_response=False))
+        elif self._reader is not None and not self._reader.done():
+            reader.set_exception(RuntimeError("a read is already waiting for this response"))
+        else:
+            self._release_reader()  # one that ended, before its callback ran
+            self._reader = reader
+            self._timer = loop.call_at(min(loop.time() + within, self.deadline), _expire, self)
+            reader.add_done_callback(self._forget_reader)
+        return reader
+
+    def _forget_reader(self, reader: asyncio.Future[bytes]) -> None:
+        """A read ended (answered, timed out or cancelled): its timer goes with it."""
+        if self._reader is reader:
+            self._release_reader()
+
+    def _release_reader(self) -> None:
+        self._reader = None
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
 
     def take(self) -> bytes | None:
         """Every body byte that arrived since the last read, in one piece; ``b""`` at the end;
@@ -247,10 +292,9 @@ class Body:
             return  # bytes past the end of this response (the connection is being dropped)
         decoder = self._decoder
         kept = data if decoder is None else self._decompressed(decoder, data)
-        if kept:  # (a reader woken with nothing would take it for the end)
+        if kept:  # (the connection wakes the reader once the socket read is parsed whole)
             self._buffer.append(kept)
             self._buffered += len(kept)
-            self._wake()
 
     def _end(self) -> None:
         decoder = self._decoder
@@ -267,7 +311,7 @@ class Body:
                 self._fail(Malformed("the response body ends mid-stream"))
                 return
         self._done = True
-        self._wake()
+        self._wake()  # (at once: the end may come from the connection's close, not a socket read)
 
     def _decompressed(self, decoder: Decoder, data: bytes) -> bytes:
         """``data`` decoded; b"" (the response failed) when the bytes do not decode."""
@@ -293,9 +337,23 @@ class Body:
             self._fail(Disconnected(f"the upstream closed the connection mid-response{detail}", before_response=False))
 
     def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        """Answer the waiting read, if any, with what arrived (or the error, or the end)."""
+        reader = self._reader
+        if reader is None or reader.done():
+            return
+        try:
+            chunk = self.take()
+        except BaseException as exc:
+            reader.set_exception(exc)
+            return
+        if chunk is not None:  # (None: nothing arrived yet; the read keeps waiting)
+            reader.set_result(chunk)
+
+
+def _expire(body: Body) -> None:
+    reader = body._reader
+    if reader is not None and not reader.done():
+        reader.set_exception(TimeoutError())
 
 
 class Decoder:
@@ -354,10 +412,9 @@ class Connection:
     """One keep-alive connection, an asyncio protocol: requests written whole, responses parsed
     as they arrive (``httptools`` calls back ``on_*``)."""
 
-    def __init__(self, pool: ConnectionPool, make_body: MakeBody) -> None:
+    def __init__(self, pool: ConnectionPool) -> None:
         self.pool = pool
         self.loop = pool.loop
-        self.make_body = make_body
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: Body | None = None
@@ -392,6 +449,9 @@ class Connection:
             self._error(Malformed("the upstream switched protocols"))
         except httptools.HttpParserError as exc:
             self._error(Malformed(f"the upstream's response is not valid HTTP/1.1: {exc}"))
+        response = self.response
+        if response is not None and response._reader is not None:
+            response._wake()  # once per socket read: the reader takes every chunk it brought
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost follows
@@ -436,7 +496,7 @@ class Connection:
             return
         self.keep_alive = bool(self.parser.should_keep_alive())
         no_body = self.no_body or status == 204 or status == 304
-        response = self.make_body(self, status, self._reason, self._headers, no_body)
+        response = Body(self, status, self._reason, self._headers, no_body)
         self._headers = CIMultiDict()
         self._reason = ""
         self.response = response
@@ -506,7 +566,3 @@ class Connection:
         if self.response is not None:
             self.response._fail(exc)
         self.abort()
-
-
-MakeBody = Callable[[Connection, int, str, CIMultiDict[str], bool], Body]
-"""The class a connection's responses are (:class:`proxy.transport.Response`)."""

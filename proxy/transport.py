@@ -76,35 +76,8 @@ class Origin:
         return host if self.port == default else f"{host}:{self.port}"
 
 
-class Response(Body):
-    """One upstream response (:class:`~proxy.http1.Body`), with the reads that wait."""
-
-    __slots__ = ()
-
-    async def read_chunk(self, within: float) -> bytes:
-        """Every body byte that arrived since the last read (``b""`` at the end); waits at most ``within``
-        seconds for them (and never past :attr:`deadline`). Raises :class:`Disconnected`, :class:`Malformed` or :class:`TimeoutError`."""
-        while (chunk := self.take()) is None:
-            await self._wait(within)
-        return chunk
-
-    async def _wait(self, within: float) -> None:
-        conn = self._conn
-        if conn is None:
-            raise Disconnected("the response was closed", before_response=False)
-        loop = conn.loop
-        waiter = self._waiter = loop.create_future()
-        timer = loop.call_at(min(loop.time() + within, self.deadline), _expire, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
+Response = Body
+"""One upstream response (:class:`~proxy.http1.Body`): ``await response.read_chunk(within)``."""
 
 
 class Pool:
@@ -193,7 +166,7 @@ class Transport:
         try:
             waiter = conn.send(head, body, method == "HEAD")
             timer = self.loop.call_later(within, _expire_response, waiter)
-            return cast(Response, await waiter)  # the connection makes its bodies Responses
+            return await waiter
         except BaseException:
             conn.finished(False)
             raise
@@ -231,7 +204,7 @@ class Transport:
                         if ticket in self._queue:
                             self._queue.remove(ticket)
                 self._open += 1
-                conn = Connection(pool, Response)
+                conn = Connection(pool)
                 pool.open.add(conn)
                 try:
                     await self.loop.create_connection(

@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import os
 import ssl
+import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import suppress
@@ -335,6 +336,62 @@ async def test_a_chunked_body_with_extensions_and_trailers_is_read_whole(
     _, second = await fetch(transport, upstream)
     assert second == b"next"
     assert upstream.accepted == 1
+
+
+async def test_a_waiting_read_takes_every_chunk_one_socket_read_brought(serve: Serve, transport: Transport) -> None:
+    """A reader already waiting is answered once the socket read is parsed whole, not at its
+    first chunk: the events of one read reach the relay (and its client) in one write."""
+    events = [b"data: {\"token\": %d}\n\n" % i for i in range(12)]
+    go = asyncio.Event()
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(message(b"", "Transfer-Encoding: chunked", length=False))
+        await writer.drain()
+        await go.wait()
+        writer.write(chunked(*events)[:-5])  # twelve chunks in one write (one socket read here)
+        await writer.drain()
+        await go.wait()
+        writer.write(b"0\r\n\r\n")
+
+    upstream = await serve(reply)
+    response = await send(transport, upstream, target="/v1/stream")
+    reading = asyncio.ensure_future(response.read_chunk(WAIT))
+    await asyncio.sleep(0.05)
+    assert not reading.done()  # nothing arrived: the read waits
+    go.set()
+    assert await reading == b"".join(events)
+    assert await read_all(response) == b""
+    response.release()
+
+
+async def test_a_read_cancelled_while_waiting_leaves_the_next_read_its_own_timeout(serve: Serve, transport: Transport) -> None:
+    """A cancelled read and a new one in the same loop iteration: the new one still times out on
+    its own bound (the old read's timer is not its), a second read at once is refused, and the
+    body still arrives whole afterwards."""
+    finish = asyncio.Event()
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(message(b"", "Transfer-Encoding: chunked", length=False) + chunked(b"early")[:-5])
+        await writer.drain()
+        await finish.wait()
+        writer.write(chunked(b"late"))
+
+    upstream = await serve(reply)
+    response = await send(transport, upstream, target="/v1/slow")
+    assert await response.read_chunk(WAIT) == b"early"
+    first = asyncio.ensure_future(response.read_chunk(5.0))
+    await asyncio.sleep(0)
+    first.cancel()
+    second = response.read_chunk(SHORT)  # before the cancelled read's callbacks ran
+    with pytest.raises(RuntimeError):
+        await response.read_chunk(SHORT)  # one read at a time
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(second, WAIT)
+    assert time.monotonic() - started < WAIT
+    finish.set()
+    assert await read_all(response) == b"late"
+    response.release()
 
 
 @pytest.mark.parametrize("framing", ["chunked", "content-length"])
