@@ -44,6 +44,7 @@ COMPILED: tuple[str, ...] = (
     "proxy.core.prefix",
     "proxy.core.pricing",
     "proxy.core.record",
+    "proxy.core.repair",
     "proxy.core.splice",
     "proxy.core.sse",
     "proxy.core.usage",
@@ -66,7 +67,7 @@ COMPILED: tuple[str, ...] = (
 aiohttp decorators, no generic classes. The relay, the transport, the upstream and the pipeline
 stay plain Python: compiled coroutines crashed the interpreter when a traceback through them, or
 a failed callback holding one, was formatted (CPython 3.11.7), and tests patch the pipeline's
-methods; so does the repair planner (its fault test replaces its serializer)."""
+methods."""
 
 _state = "pure: not compiled (make compile)"
 

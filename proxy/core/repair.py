@@ -14,7 +14,8 @@ identity match guarantees that a restored value means the same as the client's.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
 import orjson
 
@@ -28,7 +29,6 @@ from .identity import (
 from .match import Match, tool_groups
 from .policy import Policy
 from .splice import Edit, Insert, Reorder, Replace
-from .values import value
 
 __all__ = ["REPAIR_KINDS", "Repair", "RepairPlan", "plan_repair"]
 
@@ -46,25 +46,45 @@ REPAIR_KINDS = (
 """Every :attr:`Repair.kind` (a bounded metrics label)."""
 
 
-@value
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class Repair:
-    depth: int
+    depth: Final[int]
     """Element depth (0 = tools). For ``duplicate_collapsed``: the forwarded depth the dropped
     message would have had (the depth of the element that now follows its original)."""
-    kind: str
+    kind: Final[str]
     """One of :data:`REPAIR_KINDS`."""
 
+    def __init__(
+        self,
+        depth: int,
+        kind: str,
+    ) -> None:
+        self.depth = depth
+        self.kind = kind
 
-@value
+
+@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
 class RepairPlan:
-    repairs: tuple[Repair, ...]
-    body: dict[str, Any] | None
+    repairs: Final[tuple[Repair, ...]]
+    body: Final[dict[str, Any] | None]
     """The body as forwarded, parsed; None: nothing changed, forward the client's original bytes."""
-    rescued_tokens: int
+    rescued_tokens: Final[int]
     """Tokens of the matched elements from the first repaired one onward (what would have been re-prefilled)."""
-    edits: tuple[Edit, ...] = ()
+    edits: Final[tuple[Edit, ...]]
     """The same repair as byte-exact edits of the client's body (paths in the client's indices),
     for :func:`proxy.core.splice.splice`: every byte outside the repaired values stays the client's."""
+
+    def __init__(
+        self,
+        repairs: tuple[Repair, ...],
+        body: dict[str, Any] | None,
+        rescued_tokens: int,
+        edits: tuple[Edit, ...] = (),
+    ) -> None:
+        self.repairs = repairs
+        self.body = body
+        self.rescued_tokens = rescued_tokens
+        self.edits = edits
 
 
 NO_REPAIR = RepairPlan((), None, 0)

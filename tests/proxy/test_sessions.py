@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp.test_utils import TestServer
 
+from proxy.core.plan import TurnPlan
 from proxy.sim.render import render_tokens
 from proxy.store.memory import MemoryStore
+from proxy.traits import UpstreamTraits
+from proxy.wire.base import Outgoing
+from proxy.wire.chat import ChatWire
 from tests.agents import USER_TURNS, Agent, args_keys_reordered, tools_reordered, varying
 from tests.conftest import ProxyFactory, metric, poster, received, store_of
 
@@ -149,23 +154,25 @@ async def test_failing_store_writes_still_serve_the_response(sim: TestServer, ma
     assert metric(proxy, "kvwarm_errors_total", stage="record") == 2
 
 
+class UnserializingWire(ChatWire):
+    """The chat front-end whose repaired bytes cannot be written (the planner and the splicer
+    are compiled: a fault is injected where plain Python can reach, the wire's ``outgoing``)."""
+
+    failures = 0
+
+    def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing:
+        if plan.repair.repairs:
+            UnserializingWire.failures += 1
+            raise TypeError("cannot serialize")
+        return super().outgoing(raw, body, plan, traits)
+
+
 async def test_a_failing_serialization_forwards_the_original_bytes(sim: TestServer, make_proxy: ProxyFactory, monkeypatch: Any) -> None:
-    import proxy.core.repair
-
+    monkeypatch.setattr("proxy.pipeline.WIRES", (UnserializingWire(),))
+    UnserializingWire.failures = 0
     proxy_server = await make_proxy(sim)
-    agent = Agent(poster(proxy_server), drift=args_keys_reordered)
-    await agent.run(2)
-
-    def explode(*args: Any, **kwargs: Any) -> bytes:
-        raise TypeError("cannot serialize")
-
-    class PipelineJSON:  # the repair planner's view of orjson: parsing works, serializing fails
-        loads = staticmethod(orjson.loads)
-        dumps = staticmethod(explode)
-        JSONDecodeError = orjson.JSONDecodeError
-
-    monkeypatch.setattr(proxy.core.repair, "orjson", PipelineJSON)
-    turn = await agent.step()  # drifted: repair planned, serialization fails, original bytes go
-    monkeypatch.undo()
-    assert received(sim)[-1].body == orjson.dumps(turn.request)
-    assert metric(proxy_server, "kvwarm_errors_total", stage="repair") == 1
+    turns = await Agent(poster(proxy_server), drift=args_keys_reordered).run(3)
+    # Drifted turns: repair planned, writing it failed, the original bytes went.
+    assert UnserializingWire.failures >= 1
+    assert [r.body for r in received(sim)] == [orjson.dumps(t.request) for t in turns]
+    assert metric(proxy_server, "kvwarm_errors_total", stage="repair") == UnserializingWire.failures
