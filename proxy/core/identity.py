@@ -568,10 +568,10 @@ def identify_messages(
     sizes: list[int] = []
     keep = dumped.append if dumped is not None else None
     dumps = orjson.dumps
-    lookup = memo._entries.get
-    held = memo._objects.get
+    entries = memo._entries  # (compiled, a typed dict's ``get`` is a direct call; a bound one kept aside is not)
+    objects = memo._objects
     for msg in messages:
-        known = held(id(msg))
+        known = objects.get(id(msg))
         if known is not None and known.obj is msg:
             # A message of a remembered body, re-sent byte for byte: the very object.
             ids.append(known.identity)
@@ -584,7 +584,7 @@ def identify_messages(
             data: bytes | None = tight(dumps(msg))
         except TypeError:
             data = None
-        hit = lookup(data) if data is not None else None
+        hit = entries.get(data) if data is not None else None
         if hit is None:
             one_id, one_size = _identify_messages((msg,), policy)
             hit = (one_id[0], one_size[0])

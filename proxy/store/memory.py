@@ -160,13 +160,13 @@ class MemoryStore:
         ``tight``: every body is an exact-size copy already (a turn's new nodes), kept as it is."""
         self._settle()
         now = self._clock()
-        add = self._index.add
+        index = self._index  # (its method called on it: a bound method kept aside is a Python call)
         added = 0
         for node in nodes:
-            stored = add(node, now, tight=tight)
+            stored = index.add(node, now, tight=tight)
             if stored is not None:
                 added += 1
-                self._on_insert(*stored)
+                self._on_insert(stored[0], stored[1], stored[2])
                 if self._bytes > self._max_bytes:
                     self._evict(low_water(self._max_bytes), _NEVER)
         return added
