@@ -121,10 +121,9 @@ class Reporter:
             return
         queue, self._queue = self._queue, []
         guard = FailOpen(self._count_error)
-        write = self._write
-        for item in queue:
+        for api, model, stream, plan, answer, duration in queue:
             try:
-                write(*item)
+                self._write(api, model, stream, plan, answer, duration)  # (a native call; ``*item`` is not)
             except Exception as exc:
                 guard.fail("report", exc)
 
