@@ -5,10 +5,10 @@ Every request runs through this module three times: its headers are filtered on 
 (:func:`forward_request_headers`) and written into a request head (:func:`request_head`); the
 response is parsed by ``httptools`` calling back into a :class:`Connection` and buffered in
 its :class:`Body`; its headers are filtered on the way down (:func:`forward_response_headers`).
-None of it waits, so all of it is compiled: as plain Python it was about 900 interpreted
-opcodes per request. What waits (taking a connection, the response's headers, a body chunk
-that has not arrived) stays plain Python in :mod:`proxy.transport`, which subclasses
-:class:`Body` with the reads that wait.
+None of it is a coroutine, so all of it is compiled: as plain Python it was about 900
+interpreted opcodes per request. A body chunk that has not arrived is waited for on a future
+(:meth:`Body.read_chunk`), not in a coroutine; what waits in coroutines (taking a connection,
+the response's headers) stays plain Python in :mod:`proxy.transport`.
 """
 
 from __future__ import annotations

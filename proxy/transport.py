@@ -7,9 +7,9 @@ of the process's CPU per request. kvwarm needs none of it: it forwards bytes it 
 holds to a base URL it already parsed. This module is what remains (the style of httpx's
 transports and of uvicorn's protocols): one asyncio protocol per connection, responses
 parsed by ``httptools`` (llhttp: status line, headers, ``Content-Length``, chunked bodies),
-gzip/deflate decoded here, flow control on the socket, a bounded pool. What never waits (the
-connection's protocol, the body's buffer, the request head) is compiled, in
-:mod:`proxy.http1`; this module keeps the pool and what waits.
+gzip/deflate decoded here, flow control on the socket, a bounded pool. All but the coroutines
+(the connection's protocol, the response and its reads, the request head) is compiled, in
+:mod:`proxy.http1`; this module keeps the pool, connecting and sending, which wait.
 
 Timers are armed only while something waits (a connection, the response headers, a body
 chunk that has not arrived): a response read whole from one socket read arms none.
