@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import importlib.util
 
 import pytest
 
@@ -131,3 +132,44 @@ def test_a_copy_made_by_the_constructor_keeps_every_field() -> None:
     plan = TurnPlan(b"r" * 16, None, NO_REPAIR, None, {"messages": []}, 4, b"spliced", "refused", 2, True, None)
     assert plan.with_view(view) == dataclasses.replace(plan, view=view)
     assert all(getattr(plan.with_view(view), f.name) is getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "view")
+
+
+PLAIN_SUBCLASSES_OF_COMPILED = {"proxy.store.sqlite.SqliteStore"}
+"""Plain Python classes of the package that subclass a compiled one. Compiled code calls every
+method of such an instance through mypyc's glue, a lookup by name: a class the request path
+uses on every request must not be one (a plain ``Response(Body)`` cost a Codex request 8 k
+instructions). ``SqliteStore`` pays it, knowingly (docs/ARCHITECTURE.md)."""
+
+
+def _classes_by_module() -> dict[str, dict[str, ast.ClassDef]]:
+    found: dict[str, dict[str, ast.ClassDef]] = {}
+    for source in sorted(native.PACKAGE.rglob("*.py")):
+        module = "proxy." + ".".join(source.relative_to(native.PACKAGE).with_suffix("").parts)
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        found[module] = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    return found
+
+
+def test_no_plain_class_of_the_package_subclasses_a_compiled_one_unless_listed() -> None:
+    """Resolved through the imports, not by name alone: a compiled module's class imported into
+    a plain module and subclassed there counts; a plain class of the same name does not."""
+    classes = _classes_by_module()
+    compiled = set(native.COMPILED)
+    offenders = set()
+    for module, by_name in classes.items():
+        if module in compiled:
+            continue
+        tree = ast.parse(native.source(module).read_text(encoding="utf-8"))
+        imported: dict[str, str] = {}  # local name -> the module it was imported from
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module is not None:
+                base_module = importlib.util.resolve_name("." * node.level + node.module, module.rpartition(".")[0]) if node.level else node.module
+                for alias in node.names:
+                    imported[alias.asname or alias.name] = base_module
+        for name, cls in by_name.items():
+            for base in cls.bases:
+                base_name = ast.unparse(base).split("[")[0]
+                origin = imported.get(base_name)
+                if origin in compiled and base_name in classes.get(origin, {}):
+                    offenders.add(f"{module}.{name}")
+    assert offenders == PLAIN_SUBCLASSES_OF_COMPILED
