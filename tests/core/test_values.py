@@ -138,7 +138,7 @@ PLAIN_SUBCLASSES_OF_COMPILED = {"proxy.store.sqlite.SqliteStore"}
 """Plain Python classes of the package that subclass a compiled one. Compiled code calls every
 method of such an instance through mypyc's glue, a lookup by name: a class the request path
 uses on every request must not be one (a plain ``Response(Body)`` cost a Codex request 8 k
-instructions). ``SqliteStore`` pays it, knowingly (docs/ARCHITECTURE.md)."""
+instructions). ``SqliteStore`` pays it on its few calls per request (docs/ARCHITECTURE.md)."""
 
 
 def _classes_by_module() -> dict[str, dict[str, ast.ClassDef]]:
