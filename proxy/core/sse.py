@@ -185,37 +185,49 @@ def _whole_events(chunk: bytes) -> tuple[list[SSEEvent], int]:
     """The events at the start of ``chunk`` that are each exactly ``data: ...``, or ``event:
     ...`` then ``data: ...``, LF-terminated, then a blank line (what :func:`_parse` reads from
     them), read in place; and how many bytes are left, from the first event of another shape,
-    for the general reading."""
+    for the general reading.
+
+    The chunk is split into lines once (one C call, memchr speed); each event is then read
+    with indexing and slicing, which compiled code does inline. Searching for each line end
+    with ``bytes.find`` and testing prefixes with ``startswith`` cost four method calls per
+    event, about 3 k instructions: 26 events of a Codex response took 207 k."""
     events: list[SSEEvent] = []
-    start, size = 0, len(chunk)
+    size = len(chunk)
     if b"\r" in chunk:
         return events, size
-    while start < size:
-        # Line ends are found byte by byte (memchr), not by searching for the blank line.
-        end = chunk.find(b"\n", start)
-        if end < 0 or end + 1 >= size:
-            break
-        event: str | None = None
-        if chunk[end + 1] == 0x0A:  # one line
-            line = start
-        elif chunk.startswith(b"event:", start):
-            line, end = end + 1, chunk.find(b"\n", end + 1)
-            if end < 0 or end + 1 >= size or chunk[end + 1] != 0x0A:
-                break
-            name = start + 6
-            if name < line - 1 and chunk[name] == 0x20:
-                name += 1
-            event = chunk[name : line - 1].decode("utf-8", "replace") if name < line - 1 else None
+    lines = chunk.split(b"\n")
+    complete = len(lines) - 1  # lines[j] is followed by a line feed when j < complete
+    start = 0
+    i = 0
+    while i < complete:
+        first = lines[i]
+        second = lines[i + 1]
+        if not second:
+            if i + 1 >= complete:
+                break  # the chunk ends just after this line: its blank line has not arrived
+            # one line, then the blank line
+            event: str | None = None
+            data_line = first
+            after = start + len(first) + 2
+            step = 2
         else:
+            if first[:6] != b"event:" or i + 2 >= complete or lines[i + 2]:
+                break  # another shape, or the blank line has not arrived
+            name = 6
+            if name < len(first) and first[name] == 0x20:
+                name += 1
+            event = first[name:].decode("utf-8", "replace") if name < len(first) else None
+            data_line = second
+            after = start + len(first) + len(second) + 3
+            step = 3
+        if data_line[:5] != b"data:":
             break
-        if not chunk.startswith(b"data:", line, end):
-            break
-        data = line + 5
-        if data < end and chunk[data] == 0x20:
+        data = 5
+        if data < len(data_line) and data_line[data] == 0x20:
             data += 1
-        after = end + 2
-        events.append(SSEEvent(chunk[start:after], chunk[data:end].decode("utf-8", "replace"), event))
+        events.append(SSEEvent(chunk[start:after], data_line[data:].decode("utf-8", "replace"), event))
         start = after
+        i += step
     return events, size - start
 
 
