@@ -31,7 +31,7 @@ from ..core.prefix import Recalled
 from ..core.record import Reply, ReplyAssembler, reply_from_body
 from ..core.splice import Edit, Insert, _ws, splice
 from ..core.splice import Replace as SetValue
-from ..core.sse import SSEEvent
+from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
 from ..traits import UpstreamTraits
 from .base import HIDE, KEEP, BodyBuffer, Outgoing, Replace, Verdict, json_post
@@ -39,6 +39,7 @@ from .base import HIDE, KEEP, BodyBuffer, Outgoing, Replace, Verdict, json_post
 __all__ = ["DONE", "ChatObserver", "ChatWire", "Outgoing", "without_null_usage"]
 
 DONE = "[DONE]"
+_DONE = DONE.encode()
 PATH_SUFFIX = "/chat/completions"
 
 
@@ -123,17 +124,17 @@ class ChatObserver:
     # -- streams -----------------------------------------------------------------------
 
     def on_event(self, event: SSEEvent) -> Verdict:
-        data = event.data
+        data = event.payload
         if data is None:
             return KEEP
         assembler = self._assembler
         if assembler is None:
             assembler = self._assembler = ReplyAssembler()
-        if data == DONE:
+        if data == _DONE:
             assembler.done()
             return KEEP
         try:
-            chunk = orjson.loads(data)
+            chunk = load_data(data)
         except orjson.JSONDecodeError:
             return KEEP
         if type(chunk) is not dict:
@@ -154,7 +155,7 @@ class ChatObserver:
         return KEEP
 
     def is_terminal(self, event: SSEEvent) -> bool:
-        return event.data == DONE
+        return event.payload == _DONE
 
     # -- plain bodies --------------------------------------------------------------------
 

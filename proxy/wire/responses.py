@@ -69,7 +69,7 @@ from ..core.prefix import Recalled
 from ..core.record import Reply
 from ..core.repair import NO_REPAIR
 from ..core.splice import Edit, Refusal, Reorder, Replace, try_splice
-from ..core.sse import SSEEvent
+from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage
 from ..traits import UpstreamTraits
 from .base import KEEP, BodyBuffer, Outgoing, Verdict, json_post
@@ -415,14 +415,14 @@ class ResponsesObserver:
         self.usage: Usage | None = None
         self._terminal = False
         """The event just observed closes the stream."""
-        self._pending: list[str] = []
+        self._pending: list[bytes] = []
         """The data of the item and delta events named as such, unread: ``response.completed``
         carries the whole output, so they are parsed only when the stream ends without it."""
 
     def on_event(self, event: SSEEvent) -> Verdict:
         name = event.event
         self._terminal = name in TERMINAL
-        data = event.data
+        data = event.payload
         if data is None:
             return KEEP
         if name is not None and not self._terminal and name.startswith("response."):
@@ -433,7 +433,7 @@ class ResponsesObserver:
                 self._pending.append(data)
             return KEEP
         try:  # not ``with guard``: every event comes here (proxy/core/guard.py)
-            self._read_event(orjson.loads(data))
+            self._read_event(load_data(data))
         except Exception as exc:
             self._guard.fail("usage", exc)
         if self._done is not None:
@@ -486,7 +486,7 @@ class ResponsesObserver:
             else:
                 for pending in self._pending:  # in the order they came; a broken one loses only itself
                     try:
-                        self._read_event(orjson.loads(pending))
+                        self._read_event(load_data(pending))
                     except Exception as exc:
                         self._guard.fail("usage", exc)
                 self._pending.clear()

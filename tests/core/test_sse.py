@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 import re
 
+import orjson
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from proxy.core.sse import SSEDecoder, SSEEvent
+from proxy.core.guard import STRICT
+from proxy.core.sse import SSEDecoder, SSEEvent, load_data
+from proxy.traits import UpstreamTraits
+from proxy.wire.chat import ChatObserver
 
 
 def decode(chunks: list[bytes]) -> list[SSEEvent]:
@@ -111,7 +116,7 @@ def test_lone_cr_at_chunk_end_waits_for_a_possible_lf() -> None:
     assert decoder.feed(b"data: a\r\r") == []  # the last "\r" may be half of "\r\n"
     events = decoder.feed(b"\ndata: b\r\r")
     assert [e.raw for e in events] == [b"data: a\r\r\n"]
-    assert decoder.feed(b"x") == [SSEEvent(raw=b"data: b\r\r", data="b", event=None)]
+    assert decoder.feed(b"x") == [SSEEvent(raw=b"data: b\r\r", payload=b"b", event=None)]
     assert [e.raw for e in decoder.flush()] == [b"x"]
 
 
@@ -149,9 +154,9 @@ def test_comment_only_event_has_no_data_and_empty_data_is_empty_string() -> None
 def test_flush_returns_an_unterminated_remainder() -> None:
     decoder = SSEDecoder()
     assert decoder.feed(b'data: {"a":1}\n\ndata: [DONE]') == [
-        SSEEvent(raw=b'data: {"a":1}\n\n', data='{"a":1}', event=None)
+        SSEEvent(raw=b'data: {"a":1}\n\n', payload=b'{"a":1}', event=None)
     ]
-    assert decoder.flush() == [SSEEvent(raw=b"data: [DONE]", data="[DONE]", event=None)]
+    assert decoder.flush() == [SSEEvent(raw=b"data: [DONE]", payload=b"[DONE]", event=None)]
     assert decoder.flush() == []
     assert decoder.feed(b"") == []
 
@@ -305,3 +310,19 @@ def test_the_in_place_path_is_taken_for_live_chunks() -> None:
     )
     for chunk in declined:
         assert sse._whole_events(chunk) == ([], len(chunk))
+
+
+def test_an_events_data_is_read_from_its_bytes_and_invalid_utf8_as_its_text() -> None:
+    """Observers parse an event's bytes (``payload``); data that is not valid UTF-8 is read as
+    its text with replacement characters (``data``), as it was when every event was decoded:
+    a stream's usage is not lost to a stray byte."""
+    raw = b'{"usage": {"prompt_tokens": 3, "completion_tokens": 1}, "note": "caf\xe9"}'
+    assert load_data(raw) == orjson.loads(raw.decode("utf-8", "replace"))
+    for not_json in (b"not json", "pas du jsön".encode(), b"\xff\xfe"):
+        with pytest.raises(orjson.JSONDecodeError):
+            load_data(not_json)
+    (event,) = SSEDecoder().feed(b"data: " + raw + b"\n\n")
+    assert event.payload == raw and event.data == raw.decode("utf-8", "replace")
+    observer = ChatObserver(False, UpstreamTraits(), STRICT, success=True)
+    observer.on_event(event)
+    assert observer.usage is not None and observer.usage.prompt_tokens == 3
