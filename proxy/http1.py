@@ -182,10 +182,9 @@ class Body:
         self._decoder = _decoder(encoding.strip().lower()) if encoding else None
         self.decoded = self._decoder is not None
         """The body arrives decoded (it was gzip or deflate): its encoding and length no longer apply."""
-        chunked = headers.get("Transfer-Encoding")
-        self._chunked = chunked is not None and "chunked" in chunked.lower()
-        self._no_body = no_body
-        self._until_eof = not no_body and self.content_length is None and not self._chunked
+        framing = headers.get("Transfer-Encoding")
+        chunked = framing is not None and "chunked" in framing.lower()
+        self._until_eof = not no_body and self.content_length is None and not chunked
         """The body ends when the connection closes (no length, not chunked)."""
         self._buffer: list[bytes] = []
         self._buffered = 0

@@ -115,10 +115,9 @@ class Router:
         return Route(self, plan, key)
 
     async def place(self, plan: TurnPlan | None, tried: set[int]) -> tuple[Replica, str]:
-        """The replica for the next attempt (none of ``tried``) and how it was chosen."""
+        """The replica of a pool for the next attempt (none of ``tried``) and how it was chosen
+        (one replica is taken without placing: :meth:`Route.send`)."""
         replicas = self.replicas
-        if not self.pooled:
-            return replicas[0], ""
         now = self.clock()
         available = [r for r in replicas if r.index not in tried and r.health.available(now)]
         if not available:
