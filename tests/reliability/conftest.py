@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,13 +86,29 @@ async def read_response(reader: asyncio.StreamReader, within: float = 5.0, *, eo
 
 async def exchange(port: int, request: bytes, within: float = 5.0, *, eof_within: float = 0.0) -> RawResponse:
     """Send ``request`` as is on a new connection and read one response."""
+    return await exchange_in_parts(port, [request], within, eof_within=eof_within)
+
+
+async def exchange_in_parts(
+    port: int, parts: Sequence[bytes], within: float = 5.0, *, pause: float = 0.0, eof_within: float = 0.0
+) -> RawResponse:
+    """Send ``parts`` on a new connection, a write each, ``pause`` seconds after each (a request
+    whose body arrives in pieces), and read one response."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(request)
-        await writer.drain()
+        for part in parts:
+            writer.write(part)
+            await writer.drain()
+            if pause:
+                await asyncio.sleep(pause)
         return await read_response(reader, within, eof_within=eof_within)
     finally:
         writer.close()
+
+
+def pieces(data: bytes, size: int) -> list[bytes]:
+    """``data`` cut into pieces of ``size`` bytes (the last one shorter)."""
+    return [data[i : i + size] for i in range(0, len(data), size)]
 
 
 def get(target: str, *, host: str = "kvwarm", extra: str = "") -> bytes:

@@ -16,7 +16,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from tests.conftest import ProxyFactory
-from tests.reliability.conftest import Recorder, exchange, read_response
+from tests.reliability.conftest import Recorder, exchange, exchange_in_parts, pieces, read_response
 
 CLIENTS = 60
 BODY_TIMEOUT = 1.0
@@ -64,16 +64,7 @@ async def test_a_body_that_arrives_slowly_but_in_time_is_served(
     rec, upstream = recorder
     proxy = await make_proxy(str(upstream.make_url("/v1")), server__body_timeout=2.0)
     body = b'{"model":"m","messages":[{"role":"user","content":"hello"}]}'
-    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    try:
-        writer.write(slow_head(len(body)))
-        for i in range(0, len(body), 20):
-            writer.write(body[i : i + 20])
-            await writer.drain()
-            await asyncio.sleep(0.1)
-        response = await read_response(reader, 5.0)
-    finally:
-        writer.close()
+    response = await exchange_in_parts(proxy.port, [slow_head(len(body)), *pieces(body, 20)], pause=0.1)
     assert response.status == 200, response
     assert rec.paths == ["/v1/chat/completions"]
 
@@ -139,17 +130,7 @@ async def test_a_chunked_body_over_the_limit_is_413_and_never_forwarded(
     rec, upstream = recorder
     proxy = await make_proxy(str(upstream.make_url("/v1")), server__max_body_bytes=1000)
     body = b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 3000 + b'"}]}'
-    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    try:
-        writer.write(CHUNKED_HEAD)
-        framed = chunked(body, 256)
-        for i in range(0, len(framed), 700):
-            writer.write(framed[i : i + 700])
-            await writer.drain()
-            await asyncio.sleep(0.02)
-        response = await read_response(reader, 5.0)
-    finally:
-        writer.close()
+    response = await exchange_in_parts(proxy.port, [CHUNKED_HEAD, *pieces(chunked(body, 256), 700)], pause=0.02)
     assert response.status == 413, response
     assert response.error()["code"] == "request_too_large"
     assert rec.paths == []
@@ -164,16 +145,9 @@ async def test_a_body_is_forwarded_as_it_arrived_in_one_piece_or_many(
     rec, upstream = recorder
     proxy = await make_proxy(str(upstream.make_url("/v1")))
     body = b'{"model":"m","messages":[{"role":"user","content":"' + bytes(range(65, 91)) * 150 + b'"}]}'
-    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    try:
-        framed = CHUNKED_HEAD + chunked(body, piece)
-        for i in range(0, len(framed), piece if pause else len(framed)):
-            writer.write(framed[i : i + piece] if pause else framed)
-            await writer.drain()
-            await asyncio.sleep(pause)
-        response = await read_response(reader, 5.0)
-    finally:
-        writer.close()
+    framed = CHUNKED_HEAD + chunked(body, piece)
+    # Without a pause, in one write: the body arrives with the headers, whatever its chunking.
+    response = await exchange_in_parts(proxy.port, pieces(framed, piece) if pause else [framed], pause=pause)
     assert response.status == 200, response
     assert rec.bodies == [body]
 
