@@ -64,8 +64,8 @@ class _Body:
     """One remembered body."""
 
     __slots__ = (
-        "array", "before", "clean", "close", "cost", "elements", "ends", "first_key", "last", "match", "messages",
-        "raw", "spans", "start", "tag", "tools", "tools_clean", "top", "view",
+        "array", "before", "byte_all", "byte_prev", "clean", "close", "cost", "elements", "end_all", "end_prev", "ends",
+        "first_key", "head", "last", "match", "messages", "raw", "spans", "start", "tag", "tools", "tools_clean", "top", "view",
     )
 
     def __init__(
@@ -129,6 +129,19 @@ class _Body:
         # a tenant's parallel sessions are told apart by a slice and a compare each (a slice of
         # 64 bytes and ``==`` cost a fifth of ``bytes.startswith(window, cut)``'s argument parsing).
         self.last = [self._window(k) for k in (len(ends), len(ends) - 1) if k > 0]
+        # And the first message's window, before the whole start: sessions run in parallel from one
+        # template (another system prompt or task, then the same tool results at the same places)
+        # agree at their ends, and are told apart at their first message.
+        self.head = self._window(1) if ends else (0, 0, b"", 0)
+        # Where those two messages end (0: no message before the last) and their last bytes. A body
+        # that ``raw`` continues has that byte there in ``raw`` too, then a comma, the array's end
+        # or whitespace: read before any window, these rule out most of a tenant's other parallel
+        # sessions with four bytes of ``raw`` and fields of this object, not their windows' bytes
+        # elsewhere in memory.
+        self.end_all = ends[-1] if ends else 0
+        self.byte_all = raw[self.end_all - 1] if ends else -1
+        self.end_prev = ends[-2] if len(ends) > 1 else 0
+        self.byte_prev = raw[self.end_prev - 1] if len(ends) > 1 else -1
 
     def same(self, raw: bytes, k: int) -> bool:
         """``raw`` has this body's first ``k`` messages, byte for byte. The bytes just before the
@@ -144,9 +157,11 @@ class _Body:
 
     def continued(self, raw: bytes) -> int:
         """This body's messages when ``raw`` continues it (all of them) or changes its last turn
-        (all but the last); else 0. Two window compares for a body it does not continue."""
+        (all but the last); else 0. For a body it does not continue, mostly four byte reads."""
+        if not (_ends_message(raw, self.end_all, self.byte_all) or _ends_message(raw, self.end_prev, self.byte_prev)):
+            return 0
         for cut, end, window, k in self.last:
-            if raw[cut:end] == window and raw.startswith(self.view[:cut]):
+            if raw[cut:end] == window and raw[self.head[0] : self.head[1]] == self.head[2] and raw.startswith(self.view[:cut]):
                 return k
         return 0
 
@@ -482,6 +497,15 @@ def _delimit(raw: bytes, pos: int) -> tuple[list[int], int] | None:
             ends.append(pos)
     except (_Refused, IndexError):
         return None
+
+
+def _ends_message(raw: bytes, end: int, last: int) -> bool:
+    """``raw`` could hold a message ending at ``end`` with the byte ``last``: that byte, then what
+    may follow an array element (a comma, the array's end, whitespace)."""
+    if end <= 0 or end >= len(raw) or raw[end - 1] != last:
+        return False
+    after = raw[end]
+    return after == 44 or after == 93 or after == 32 or after == 10 or after == 13 or after == 9  # , ] space \n \r \t
 
 
 def _quoted(key: str) -> bytes:

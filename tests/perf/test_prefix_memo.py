@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +31,9 @@ SERIALIZERS = {
     "json.dumps": lambda v: json.dumps(v).encode(),
     "compact, ensure_ascii=False": lambda v: json.dumps(v, separators=(",", ":"), ensure_ascii=False).encode(),
     "indented": lambda v: json.dumps(v, indent=2).encode(),
+    "spaced separators": lambda v: json.dumps(v, separators=(" , ", " : ")).encode(),
+    "indented, CRLF": lambda v: json.dumps(v, indent=2).replace("\n", "\r\n").encode(),
+    "tab separators": lambda v: json.dumps(v, separators=("\t,", ":")).encode(),
 }
 
 
@@ -140,12 +144,17 @@ def test_a_continued_or_changed_last_turn_is_rebuilt(
     msgs: list[dict[str, Any]], new: list[dict[str, Any]], serializer: str, tools_first: bool
 ) -> None:
     """No drift: the conversation going on, or its last turn changed, takes the tail path in
-    every serializer, and so do the members after the array changing (another tools array)."""
+    every serializer, and so do the members after the array changing (another tools array) and
+    the same body sent again (a retry). The session is the tenant's oldest of several in
+    parallel: more than the memo searches for a shared start, so only the continued body's own
+    check (:meth:`_Body.continued`) finds it."""
     dumps = SERIALIZERS[serializer]
     memo = PrefixMemo(IdentityMemo())
     body = body_of(msgs, tools_first=tools_first)
     assert remembered(memo, bytes(dumps(body)))
-    for kind in ("append", "after_changed") if len(msgs) < 2 else ("append", "last_changed", "after_changed"):
+    for other in range(PrefixMemo.SEARCHED):
+        assert remembered(memo, bytes(dumps(body_of([{"role": "system", "content": f"session {other}"}], tools_first=tools_first))))
+    for kind in ("append", "after_changed", "same") if len(msgs) < 2 else ("append", "last_changed", "after_changed", "same"):
         nxt = mutated(kind, bytes(dumps(body)), body, dumps, new, 0)
         assert check(memo, nxt), kind
         recalled = memo.recall(SCOPE, nxt)
@@ -155,10 +164,25 @@ def test_a_continued_or_changed_last_turn_is_rebuilt(
         assert all(a is b for a, b in zip(recalled.body["messages"][:shared], body_messages(memo), strict=False))
 
 
+@pytest.mark.parametrize("serializer", sorted(SERIALIZERS))
+def test_a_one_message_body_sent_again_is_rebuilt(serializer: str) -> None:
+    """A retry of a one-message body, the oldest of a tenant's parallel sessions: only the
+    array's ``]`` or whitespace follows its message, whichever the serializer writes."""
+    dumps = SERIALIZERS[serializer]
+    memo = PrefixMemo(IdentityMemo())
+    raw = bytes(dumps(body_of([{"role": "user", "content": "a"}], tools_first=False)))
+    assert remembered(memo, raw)
+    for other in range(PrefixMemo.SEARCHED):
+        assert remembered(memo, bytes(dumps(body_of([{"role": "system", "content": f"session {other}"}], tools_first=False))))
+    recalled = memo.recall(SCOPE, raw)
+    assert recalled is not None and recalled.shared == 1
+    assert recalled.body == orjson.loads(raw)
+
+
 def body_messages(memo: PrefixMemo) -> list[Any]:
-    """The messages of the most recent body remembered (the objects the memo holds)."""
+    """The messages of the oldest body remembered (the objects the memo holds)."""
     bodies = next(iter(memo._scopes.values()))
-    return bodies[0].messages
+    return bodies[-1].messages
 
 
 def test_decoys_and_duplicates_are_never_taken_for_the_array() -> None:
