@@ -370,6 +370,28 @@ def test_common_prefix_and_suffix_are_exact(shared: str, a: str, b: str, tail: s
     assert _common_suffix(x, y, limit) == min(limit, _naive_prefix(x[::-1], y[::-1]))
 
 
+@settings(max_examples=200, deadline=None)
+@given(template=_texts, client=_texts, variants=st.lists(st.tuples(_texts, _texts), min_size=1, max_size=8))
+def test_the_closest_sibling_is_the_most_similar(template: str, client: str, variants: list[tuple[str, str]]) -> None:
+    """Siblings from one template: the one chosen shares the most of its start and end with the
+    client's text (the first of equals)."""
+    from proxy.core.breaks import _closest
+    from proxy.core.model import Node
+
+    def similarity(x: str, y: str) -> int:
+        p = _naive_prefix(x, y)
+        return p + min(min(len(x), len(y)) - p, _naive_prefix(x[::-1], y[::-1]))
+
+    msg = {"role": "system", "content": template + client + template}
+    siblings = [{"role": "system", "content": template + mid + template + end} for mid, end in variants]
+    siblings = [c for c in siblings if c["content"] != msg["content"]]
+    if not siblings:
+        return
+    scores = [similarity(msg["content"], c["content"]) for c in siblings]
+    node = Node(b"k", b"p", b"t", 1, "system", b"i", b"{}")
+    assert _closest(msg, [(node, c) for c in siblings]) is siblings[scores.index(max(scores))]
+
+
 _PIECES = [b'{"role":"assistant","content":"x"', b',"reasoning_content":"y"', b',"thinking":1', b'"\\u0041"',
            b',"thought_signature":"s"', b',"encrypted_content":"e"', b"\\n", b"}", b"reason", b'"think']
 
