@@ -368,7 +368,9 @@ class PrefixMemo:
             if recalled.ends is not None:
                 located: tuple[list[int], int] | None = (recalled.ends, recalled.close)
             else:
-                located = _locate(raw, recalled.cut, elements, k, dumped, first=False)
+                # Its tail was parsed whole (what follows the array is the remembered body's), so
+                # its last element ends where the whitespace before the array's known end starts.
+                located = _locate(raw, recalled.cut, elements, k, dumped, first=False, close=recalled.close)
             if located is None or located[1] != recalled.close or len(located[0]) != len(elements) - k:
                 return False
             entry = _Body(
@@ -547,17 +549,23 @@ def _element_end(raw: bytes, pos: int, dumped: bytes | None, element: Any) -> in
 
 
 def _locate(
-    raw: bytes, pos: int, messages: Sequence[Any], start: int, dumped: Sequence[bytes | None], *, first: bool
+    raw: bytes, pos: int, messages: Sequence[Any], start: int, dumped: Sequence[bytes | None], *, first: bool,
+    close: int = -1,
 ) -> tuple[list[int], int] | None:
     """Ends of ``messages[start:]``, the first at ``pos`` (after ``[`` when ``first``, else after
-    the previous element), and the offset of the ``]`` that follows them."""
+    the previous element), and the offset of the ``]`` that follows them. ``close``: that offset,
+    when the array is known to be valid JSON that closes there: its last element is not scanned."""
     ends: list[int] = []
+    last = len(messages) - 1
     for r in range(start, len(messages)):
         m = (_WS if first and r == start else _COMMA).match(raw, pos)
         if m is None:
             return None
-        end = _element_end(raw, m.end(), dumped[r] if dumped else None, messages[r])
-        if end is None:
+        if r == last and close >= 0:
+            end: int | None = _trimmed(raw, close)
+        else:
+            end = _element_end(raw, m.end(), dumped[r] if dumped else None, messages[r])
+        if end is None or end <= m.end():
             return None
         ends.append(end)
         pos = end
@@ -567,6 +575,16 @@ def _locate(
     if close >= len(raw) or raw[close] != _CLOSE:
         return None
     return ends, close
+
+
+def _trimmed(raw: bytes, end: int) -> int:
+    """``end`` moved back over the JSON whitespace before it."""
+    while end > 0:
+        c = raw[end - 1]
+        if c != 32 and c != 10 and c != 13 and c != 9:
+            break
+        end -= 1
+    return end
 
 
 def _layout(

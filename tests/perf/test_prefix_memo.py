@@ -179,6 +179,25 @@ def test_a_one_message_body_sent_again_is_rebuilt(serializer: str) -> None:
     assert recalled.body == orjson.loads(raw)
 
 
+@pytest.mark.parametrize("serializer", sorted(SERIALIZERS))
+def test_every_turn_of_a_conversation_shares_all_the_turns_before(serializer: str) -> None:
+    """Turn after turn, each body is rebuilt from the one before and remembered as rebuilt:
+    where that one's new messages end in its bytes (its last one, before the array's end and
+    any whitespace) lets the next turn share all of them."""
+    dumps = SERIALIZERS[serializer]
+    memo = PrefixMemo(IdentityMemo())
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert remembered(memo, bytes(dumps(body_of(msgs, tools_first=False))))
+    for turn in range(4):
+        before = len(msgs)
+        msgs = [*msgs, {"role": "assistant", "content": f"answer {turn}"}, {"role": "user", "content": f"more {turn} "}]
+        raw = bytes(dumps(body_of(msgs, tools_first=False)))
+        recalled = memo.recall(SCOPE, raw)
+        assert recalled is not None and recalled.shared == before, turn
+        assert recalled.body == orjson.loads(raw)
+        assert remembered(memo, raw)
+
+
 def body_messages(memo: PrefixMemo) -> list[Any]:
     """The messages of the oldest body remembered (the objects the memo holds)."""
     bodies = next(iter(memo._scopes.values()))
