@@ -7,13 +7,15 @@ Two parts:
 - **Redis store vs memory store**: :func:`tests.bench.redis_store.section`, one request of a
   20-message session from view to ``write_turn``, in-process, on loopback.
 - **Throughput, 32 concurrent clients**: processes on loopback: ``redis-server``, the reference
-  upstream (``python -m proxy upstream-sim``, OpenAI cache mode, no delays), and two kvwarm on
+  upstream (``python -m proxy upstream-sim``, OpenAI cache mode, no delays), two kvwarm on
   the same Redis (``python -m proxy serve --store redis://...``): ``--workers 1`` and
-  ``--workers 2``. This process is the client (aiohttp, keep-alive, one session per target, on
-  uvloop when installed); the targets are measured in rotating order within each round, the
-  upstream alone ("direct") alongside as the ceiling. Besides requests/s, the CPU time kvwarm's
-  processes (supervisor and workers) spend per request is read from ``/proc``, and each
-  worker's share of the requests from its live page.
+  ``--workers 2``, and the bare aiohttp pass-through of the proxy benchmark
+  (``tests/bench/passthrough.py``) as the baseline. This process is the client (aiohttp,
+  keep-alive, one session per target, on uvloop when installed); the targets are measured in
+  rotating order within each round, the upstream alone ("direct") alongside as the ceiling.
+  Besides requests/s, the CPU time each proxy's processes (kvwarm's supervisor and workers)
+  spend per request is read from ``/proc``, and each worker's share of the requests from its
+  live page.
 
 On a 2-CPU machine the client, the upstream, Redis and kvwarm's workers share the two cores:
 a second worker can only win the CPU kvwarm itself was short of. The figures are reported
@@ -44,6 +46,7 @@ from tests.store.redis_server import RedisServer, binaries_missing
 
 CONCURRENCY = 32
 PAGE = "/kvwarm/api/overview"
+BARE = "bare pass-through"
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ class Results:
     rps: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     """body -> target -> requests/s per round."""
     cpu: dict[str, dict[str, float]] = field(default_factory=dict)
-    """body -> target -> kvwarm CPU seconds per request."""
+    """body -> target -> the proxy's CPU seconds per request."""
     sizes: dict[str, str] = field(default_factory=dict)
     shares: dict[int, float] = field(default_factory=dict)
 
@@ -200,17 +203,23 @@ def throughput_table(results: Results, plan: Plan) -> Table:
         f" {plan.rounds} rounds of {plan.round_seconds:g} s",
         ["target", *(f"{body} ({size})" for body, size in results.sizes.items()),
          *(f"vs 1 worker, {body}" for body in results.sizes),
-         *(f"kvwarm CPU / request, {body}" for body in results.sizes)],
+         *(f"vs {BARE}, {body}" for body in results.sizes),
+         *(f"proxy CPU / request, {body}" for body in results.sizes),
+         *(f"CPU ÷ {BARE}'s, {body}" for body in results.sizes)],
     )
     for name in names:
-        cells = [f"{median(results.rps[body][name]):.0f}" for body in results.sizes]
-        vs = [
-            x(ratio(median(results.rps[body][name]), median(results.rps[body]["kvwarm, 1 worker"])))
-            if name.startswith("kvwarm") else ""
+        kvwarm = name.startswith("kvwarm")
+        rps = {body: median(results.rps[body][name]) for body in results.sizes}
+        cells = [f"{rps[body]:.0f}" for body in results.sizes]
+        vs = [x(ratio(rps[body], median(results.rps[body]["kvwarm, 1 worker"]))) if kvwarm else "" for body in results.sizes]
+        vs_bare = [x(ratio(rps[body], median(results.rps[body][BARE]))) if kvwarm else "" for body in results.sizes]
+        cpu = [ms(results.cpu[body][name]) if name in results.cpu[body] else "" for body in results.sizes]
+        cpu_bare = [
+            x(ratio(results.cpu[body][name], results.cpu[body][BARE]))
+            if kvwarm and name in results.cpu[body] and BARE in results.cpu[body] else ""
             for body in results.sizes
         ]
-        cpu = [ms(results.cpu[body][name]) if name in results.cpu[body] else "" for body in results.sizes]
-        table.add(name, *cells, *vs, *cpu)
+        table.add(name, *cells, *vs, *vs_bare, *cpu, *cpu_bare)
     total = sum(results.shares.values()) or 1.0
     shares = " / ".join(f"{100 * n / total:.0f}%" for n in sorted(results.shares.values(), reverse=True))
     table.notes.extend(
@@ -221,7 +230,10 @@ def throughput_table(results: Results, plan: Plan) -> Table:
             " redis-server, one tenant per body (after the warm-up each request matches its whole stored prefix)",
             f"requests per worker of the 2-worker instance over the run (its live pages; SO_REUSEPORT hashes the"
             f" {CONCURRENCY} keep-alive connections): {shares}",
-            "kvwarm CPU / request: user + system time of the supervisor and its workers (/proc), per request",
+            f"{BARE}: the proxy benchmark's minimal aiohttp pass-through (tests/bench/passthrough.py), one process,"
+            " forwarding to the same upstream; it keeps no store",
+            "proxy CPU / request: user + system time of the proxy's processes (kvwarm: the supervisor and its"
+            " workers), per request",
         ]
     )
     return table
@@ -244,6 +256,10 @@ def run(quick: bool = False) -> Section:
         try:
             sim = group.start("upstream-sim", python_module("proxy", "upstream-sim", "--port", "{port}"), "/v1/models")
             bases: dict[str, tuple[str, int | None]] = {"direct": (f"http://127.0.0.1:{sim.port}", None)}
+            bare = group.start(
+                "bare", python_module("tests.bench.passthrough", "--port", "{port}", "--upstream", sim.base_url), "/v1/models"
+            )
+            bases[BARE] = (f"http://127.0.0.1:{bare.port}", bare.proc.pid)
             for workers in (1, 2):
                 name = "kvwarm, 1 worker" if workers == 1 else f"kvwarm, {workers} workers"
                 server = group.start(
@@ -267,7 +283,12 @@ def run(quick: bool = False) -> Section:
     for body in results.sizes:
         one = median(results.rps[body]["kvwarm, 1 worker"])
         two = median(results.rps[body]["kvwarm, 2 workers"])
-        findings.append(f"{body}: 2 workers {two:.0f} req/s vs 1 worker {one:.0f} req/s ({x(ratio(two, one))}) on this machine")
+        bare_rps = median(results.rps[body][BARE])
+        findings.append(
+            f"{body}: 2 workers {two:.0f} req/s vs 1 worker {one:.0f} req/s ({x(ratio(two, one))}) on this machine;"
+            f" against the {BARE} ({bare_rps:.0f} req/s), with the Redis store: 1 worker {x(ratio(one, bare_rps))},"
+            f" 2 workers {x(ratio(two, bare_rps))}"
+        )
     return Section(
         "Scaling out: Redis store and workers",
         [*redis_part.tables, table],
