@@ -129,10 +129,6 @@ class _Body:
         # a tenant's parallel sessions are told apart by a slice and a compare each (a slice of
         # 64 bytes and ``==`` cost a fifth of ``bytes.startswith(window, cut)``'s argument parsing).
         self.last = [self._window(k) for k in (len(ends), len(ends) - 1) if k > 0]
-        # And the first message's window, before the whole start: sessions run in parallel from one
-        # template (another system prompt or task, then the same tool results at the same places)
-        # agree at their ends, and are told apart at their first message.
-        self.head = self._window(1) if ends else (0, 0, b"", 0)
         # Where those two messages end (0: no message before the last) and their last bytes. A body
         # that ``raw`` continues has that byte there in ``raw`` too, then a comma, the array's end
         # or whitespace: read before any window, these rule out most of a tenant's other parallel
@@ -142,6 +138,10 @@ class _Body:
         self.byte_all = raw[self.end_all - 1] if ends else -1
         self.end_prev = ends[-2] if len(ends) > 1 else 0
         self.byte_prev = raw[self.end_prev - 1] if len(ends) > 1 else -1
+        # And the first message's window, compared before the whole start: sessions run in parallel
+        # from one template (another system prompt or task, then the same tool results at the same
+        # places) agree at their ends, and are told apart at their first message.
+        self.head = self._window(1) if ends else (0, 0, b"", 0)
 
     def same(self, raw: bytes, k: int) -> bool:
         """``raw`` has this body's first ``k`` messages, byte for byte. The bytes just before the
@@ -507,7 +507,12 @@ def _ends_message(raw: bytes, end: int, last: int) -> bool:
     if end <= 0 or end >= len(raw) or raw[end - 1] != last:
         return False
     after = raw[end]
-    return after == 44 or after == 93 or after == 32 or after == 10 or after == 13 or after == 9  # , ] space \n \r \t
+    return after == 44 or after == 93 or _space(after)  # , ]
+
+
+def _space(c: int) -> bool:
+    """JSON whitespace: space, \\n, \\r, \\t."""
+    return c == 32 or c == 10 or c == 13 or c == 9
 
 
 def _quoted(key: str) -> bytes:
@@ -579,10 +584,7 @@ def _locate(
 
 def _trimmed(raw: bytes, end: int) -> int:
     """``end`` moved back over the JSON whitespace before it."""
-    while end > 0:
-        c = raw[end - 1]
-        if c != 32 and c != 10 and c != 13 and c != 9:
-            break
+    while end > 0 and _space(raw[end - 1]):
         end -= 1
     return end
 
