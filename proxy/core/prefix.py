@@ -600,9 +600,7 @@ def _layout(
         at = raw.find(first)
         while at >= 0 and len(candidates) < _TRIES:
             # The array opens before the first message, whitespace between.
-            p = at
-            while p > 0 and raw[p - 1] in b" \t\n\r":
-                p -= 1
+            p = _trimmed(raw, at)
             if p > 0 and raw[p - 1] == ord("["):
                 candidates.append(p)
             at = raw.find(first, at + 1)
