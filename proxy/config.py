@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import ConfigError
+from .core.policy import Policy
+from .errors import ConfigError, InvalidSetting
 from .store.urls import is_redis_url
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "kvwarm.toml"
@@ -97,6 +98,13 @@ class RepairSettings:
     collapse_duplicates: bool = False
     pin_patterns: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Role -> regexes of volatile spans to pin to their first-seen value (opt-in)."""
+
+    def policy(self) -> Policy:
+        """The core's repair policy; a pin pattern that does not compile is a ConfigError."""
+        try:
+            return Policy.build(self.enabled, self.collapse_duplicates, self.pin_patterns)
+        except InvalidSetting as exc:
+            raise ConfigError.of(exc) from exc
 
 
 ROUTING_POLICIES = ("prefix", "round_robin", "least_inflight")

@@ -6,8 +6,6 @@
      ├── ConfigError (ValueError)       a setting is missing or invalid; names the key
      ├── StoreError                     the transcript store failed (I/O, schema)
      │    └── CorruptEntry              a stored node or blob failed to decode or verify
-     ├── TranscriptFormatError (ValueError)
-     │                                  a Markdown transcript is malformed; names the line
      ├── ImportRefused                  a transcript file this store will not import
      └── ProxyError                     a request cannot be served; becomes an OpenAI-style body
           ├── BadPath                   400  (a path that could leave upstream.base_url)
@@ -22,6 +20,11 @@
           ├── TooManyConnections        503  (server.max_connections reached; written raw)
           └── UpstreamTimeout           504
 
+The pure core raises plain ``ValueError`` subclasses of its own (:mod:`proxy.core.errors`,
+re-exported here): ``InvalidSetting`` (turned into a ConfigError by
+:meth:`ConfigError.of`) and ``TranscriptFormatError`` (a malformed Markdown transcript,
+naming the line; a refused import).
+
 Library errors (aiohttp, sqlite3, orjson) are converted once, at the boundary
 that called the library (``raise UpstreamTimeout(...) from exc``). A
 :class:`ProxyError` becomes a JSON error body in exactly one place,
@@ -33,6 +36,9 @@ client's connection once its response is sent.
 from __future__ import annotations
 
 import orjson
+
+from .core.errors import InvalidSetting as InvalidSetting
+from .core.errors import TranscriptFormatError as TranscriptFormatError
 
 
 class KvwarmError(Exception):
@@ -47,6 +53,11 @@ class ConfigError(KvwarmError, ValueError):
         self.key = key
         self.problem = problem
 
+    @classmethod
+    def of(cls, exc: InvalidSetting) -> ConfigError:
+        """The core's complaint about a setting, as kvwarm's configuration error."""
+        return cls(exc.key, exc.problem)
+
 
 class StoreError(KvwarmError):
     """The transcript store could not do its job."""
@@ -54,15 +65,6 @@ class StoreError(KvwarmError):
 
 class CorruptEntry(StoreError):
     """A node or blob failed to decode or verify: treated as a miss, never a partial transcript."""
-
-
-class TranscriptFormatError(KvwarmError, ValueError):
-    """A Markdown transcript is malformed. ``line`` is 1-based."""
-
-    def __init__(self, line: int, problem: str) -> None:
-        super().__init__(f"line {line}: {problem}")
-        self.line = line
-        self.problem = problem
 
 
 class ImportRefused(KvwarmError):

@@ -25,7 +25,6 @@ from typing import TextIO
 from . import sessions
 from .config import Settings
 from .core import transcript_md
-from .core.policy import Policy
 from .store.base import AsyncStore, SessionInfo
 from .store.factory import make_store
 from .tokens import TokenCounter
@@ -137,8 +136,7 @@ async def _import(store: AsyncStore, args: argparse.Namespace, settings: Setting
         return FAILED
     key = getattr(args, "tenant_key", None)
     root = sessions.new_root(store, key, settings.store.tenant_header) if key else None
-    r = settings.repair
-    policy = Policy.build(r.enabled, r.collapse_duplicates, r.pin_patterns)
+    policy = settings.repair.policy()
     report = await sessions.import_dir(store, directory, policy, root, max_bytes=settings.store.import_max_bytes)
     for path, outcome in report.imported:
         state = "imported" if outcome.new_session else "already present"

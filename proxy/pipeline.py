@@ -36,7 +36,6 @@ from .config import Settings
 from .core.identity import IdentityMemo
 from .core.model import Node, NodeReader, TurnWrite
 from .core.plan import TurnPlan, turn_write
-from .core.policy import Policy
 from .core.prefix import PrefixMemo, Recalled
 from .core.pricing import PriceTable, cost_of
 from .core.transcript_md import Transcript
@@ -91,11 +90,7 @@ class Pipeline:
         self.prices = prices
         self.tokens = tokens
         self.reporter = Reporter(metrics, breaks)
-        self.policy = Policy.build(
-            repair=settings.repair.enabled,
-            collapse_duplicates=settings.repair.collapse_duplicates,
-            pin_patterns=settings.repair.pin_patterns,
-        )
+        self.policy = settings.repair.policy()
         self.tenants = TenantRoots(store.secret(), settings.store.tenant_header)
         self.memo = IdentityMemo()
         self.resent = PrefixMemo(self.memo)

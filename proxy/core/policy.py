@@ -10,7 +10,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError
+from .errors import InvalidSetting
 
 PIN_MASK = "\x00pinned\x00"
 """What a pinned span becomes before hashing. NUL never occurs in text a client means to send."""
@@ -29,7 +29,7 @@ class Policy:
     def build(
         cls, repair: bool, collapse_duplicates: bool, pin_patterns: Mapping[str, Sequence[str]]
     ) -> Policy:
-        """Compile the pin patterns; a pattern that does not compile, or matches the empty string, is a ConfigError."""
+        """Compile the pin patterns; a pattern that does not compile, or matches the empty string, is an InvalidSetting naming the key."""
         compiled: dict[str, tuple[re.Pattern[str], ...]] = {}
         for role, patterns in pin_patterns.items():
             if isinstance(patterns, str):
@@ -40,10 +40,10 @@ class Policy:
                 try:
                     rx = re.compile(pattern)
                 except re.error as exc:
-                    raise ConfigError(key, f"invalid regex {pattern!r}: {exc}") from exc
+                    raise InvalidSetting(key, f"invalid regex {pattern!r}: {exc}") from exc
                 if rx.fullmatch(""):
                     # It would mask the empty string between every two characters.
-                    raise ConfigError(key, f"regex {pattern!r} matches the empty string")
+                    raise InvalidSetting(key, f"regex {pattern!r} matches the empty string")
                 out.append(rx)
             if out:
                 compiled[role] = tuple(out)

@@ -41,7 +41,7 @@ import orjson
 
 from .identity import IdentityMemo
 from .match import KnownPrefix, Match, in_order
-from .splice import _Refused, _skip_value
+from .splice import Refused, skip_value
 
 if TYPE_CHECKING:
     from .plan import PlannedView, TurnPlan
@@ -495,9 +495,9 @@ def _delimit(raw: bytes, pos: int) -> tuple[list[int], int] | None:
                 return None
             if m.lastindex == 2:
                 return ends, m.start(2)
-            pos = _skip_value(raw, m.end(), ())
+            pos = skip_value(raw, m.end(), ())
             ends.append(pos)
-    except (_Refused, IndexError):
+    except (Refused, IndexError):
         return None
 
 
@@ -548,8 +548,8 @@ def _element_end(raw: bytes, pos: int, dumped: bytes | None, element: Any) -> in
     if dumped is not None and raw.startswith(dumped, pos):
         return pos + len(dumped)
     try:
-        return _skip_value(raw, pos, ())
-    except (_Refused, IndexError):
+        return skip_value(raw, pos, ())
+    except (Refused, IndexError):
         return None
 
 

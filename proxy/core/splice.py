@@ -79,8 +79,11 @@ __all__ = [
     "Insert",
     "Path",
     "Refusal",
+    "Refused",
     "Reorder",
     "Replace",
+    "skip_space",
+    "skip_value",
     "splice",
     "try_splice",
 ]
@@ -153,19 +156,20 @@ def try_splice(raw: bytes, edits: Sequence[Edit]) -> bytes | Refusal:
     try:
         root = _plan(edits)
         view = memoryview(raw)
-        start = _ws(raw, 0)
+        start = skip_space(raw, 0)
         end, pieces = _edit(raw, view, start, root, ())
-        if _ws(raw, end) != len(raw):
-            raise _Refused("invalid_json", ())
-    except _Refused as refused:
+        if skip_space(raw, end) != len(raw):
+            raise Refused("invalid_json", ())
+    except Refused as refused:
         return Refusal(refused.reason, refused.path)
     except IndexError:  # ran off the end of the body in the middle of a value
         return Refusal("invalid_json", ())
     return b"".join([view[:start], *pieces, view[end:]])
 
 
-class _Refused(Exception):
-    """Control flow inside this module only: unwinds the descent to :func:`try_splice`."""
+class Refused(Exception):
+    """A body the scanner cannot take: unwinds a descent to :func:`try_splice` (or to a caller
+    of :func:`skip_value`, which treats it as "not a JSON value here")."""
 
     def __init__(self, reason: str, path: Path) -> None:
         super().__init__(reason)
@@ -196,12 +200,12 @@ def _plan(edits: Sequence[Edit]) -> _Node:
         steps: Sequence[Any] = path  # each step is checked here, whatever its annotation says
         for step in steps:
             if not (type(step) is str or (type(step) is int and step >= 0)):
-                raise _Refused("invalid_edit", path)
+                raise Refused("invalid_edit", path)
             node = node.children.setdefault(step, _Node())
         if isinstance(edit, Replace):
             _check_new(edit.value, path)
             if node.replace is not None:
-                raise _Refused("invalid_edit", path)
+                raise Refused("invalid_edit", path)
             node.replace = edit.value
         elif isinstance(edit, Reorder):
             order = edit.order
@@ -210,15 +214,15 @@ def _plan(edits: Sequence[Edit]) -> _Node:
                 or not all(type(i) is int and i >= 0 for i in order)
                 or len(set(order)) != len(order)
             ):
-                raise _Refused("invalid_edit", path)
+                raise Refused("invalid_edit", path)
             node.reorder = order
         elif isinstance(edit, Insert):
             _check_new(edit.value, path)
             if type(edit.key) is not str or edit.key in node.inserts:
-                raise _Refused("invalid_edit", path)
+                raise Refused("invalid_edit", path)
             node.inserts[edit.key] = edit.value
         else:
-            raise _Refused("invalid_edit", path)
+            raise Refused("invalid_edit", path)
     _check_overlaps(root, ())
     return root
 
@@ -227,18 +231,18 @@ def _check_new(value: bytes, path: Path) -> None:
     try:
         orjson.loads(value)
     except (orjson.JSONDecodeError, TypeError):
-        raise _Refused("invalid_edit", path) from None
+        raise Refused("invalid_edit", path) from None
 
 
 def _check_overlaps(node: _Node, path: Path) -> None:
     if node.replace is not None and (node.children or node.inserts or node.reorder is not None):
-        raise _Refused("invalid_edit", path)
+        raise Refused("invalid_edit", path)
     if node.reorder is not None:
         kept = set(node.reorder)
         if any(type(k) is int and k not in kept for k in node.children):
-            raise _Refused("invalid_edit", path)  # an edit inside a dropped element
+            raise Refused("invalid_edit", path)  # an edit inside a dropped element
     if any(k in node.children for k in node.inserts):
-        raise _Refused("invalid_edit", path)
+        raise Refused("invalid_edit", path)
     for step, child in node.children.items():
         _check_overlaps(child, (*path, step))
 
@@ -272,14 +276,15 @@ _COMMA, _QUOTE, _BACKSLASH = b',"\\'
 _Pieces = list[bytes | memoryview]
 
 
-def _ws(raw: bytes, pos: int) -> int:
+def skip_space(raw: bytes, pos: int) -> int:
+    """The first position at or after ``pos`` that is not JSON whitespace."""
     m = _WS.match(raw, pos)
     assert m is not None  # matches the empty string
     return m.end()
 
 
-def _skip_value(raw: bytes, pos: int, path: Path) -> int:
-    """End of the value starting at ``pos``."""
+def skip_value(raw: bytes, pos: int, path: Path) -> int:
+    """End of the JSON value starting at ``pos``; :class:`Refused` when there is none."""
     c = raw[pos]
     if c == _QUOTE:
         return _skip_string(raw, pos, path)
@@ -287,7 +292,7 @@ def _skip_value(raw: bytes, pos: int, path: Path) -> int:
         return _skip_container(raw, pos, path)
     m = _SCALAR.match(raw, pos)
     if m is None:
-        raise _Refused("invalid_json", path)
+        raise Refused("invalid_json", path)
     return m.end()
 
 
@@ -312,7 +317,7 @@ def _skip_string(raw: bytes, pos: int, path: Path) -> int:
             return q + 1
         k = find(b'\\\\"', q + 1, last)
     if m is None:
-        raise _Refused("invalid_json", path)
+        raise Refused("invalid_json", path)
     return last + 1
 
 
@@ -349,13 +354,13 @@ def _key(token: bytes, path: Path) -> str:
             return key
         return token[1:-1].decode()
     except (orjson.JSONDecodeError, UnicodeDecodeError):
-        raise _Refused("invalid_json", path) from None
+        raise Refused("invalid_json", path) from None
 
 
 def _edit(raw: bytes, view: memoryview, pos: int, node: _Node, path: Path) -> tuple[int, _Pieces]:
     """End of the value at ``pos`` and its bytes with the edits of ``node`` applied."""
     if node.replace is not None:
-        end = _skip_value(raw, pos, path)
+        end = skip_value(raw, pos, path)
         _check_replaced(raw[pos:end], path)
         return end, [node.replace]
     c = raw[pos]
@@ -363,8 +368,8 @@ def _edit(raw: bytes, view: memoryview, pos: int, node: _Node, path: Path) -> tu
         return _edit_object(raw, view, pos, node, path)
     if c == _OPEN_ARRAY and not node.inserts:
         return _edit_array(raw, view, pos, node, path)
-    _skip_value(raw, pos, path)  # an invalid body is said so before a wrong path
-    raise _Refused("missing_path", path)
+    skip_value(raw, pos, path)  # an invalid body is said so before a wrong path
+    raise Refused("missing_path", path)
 
 
 def _children(raw: bytes, pos: int, node: _Node, path: Path, kind: type) -> dict[str | int, _Node]:
@@ -373,7 +378,7 @@ def _children(raw: bytes, pos: int, node: _Node, path: Path, kind: type) -> dict
     children = node.children
     if any(type(k) is not kind for k in children):
         _skip_container(raw, pos, path)
-        raise _Refused("missing_path", path)
+        raise Refused("missing_path", path)
     return children
 
 
@@ -385,8 +390,8 @@ def _edit_object(
     pieces: _Pieces = [view[pos : pos + 1]]
     cursor = pos + 1
     keys: set[str] = set()
-    pending: _Refused | None = None
-    p = _ws(raw, pos + 1)
+    pending: Refused | None = None
+    p = skip_space(raw, pos + 1)
     empty = raw[p] == _CLOSE_OBJECT
     if inserts:
         members = b",".join(orjson.dumps(k) + b":" + v for k, v in inserts.items())
@@ -399,29 +404,29 @@ def _edit_object(
         while True:
             m = member(raw, p)
             if m is None:
-                raise _Refused("invalid_json", path)
+                raise Refused("invalid_json", path)
             start = m.end()
             key = _key(m.group(1), path)
             if key in keys:
-                raise _Refused("duplicate_key", (*path, key))
+                raise Refused("duplicate_key", (*path, key))
             keys.add(key)
             child = children.get(key)
             if child is not None:
                 try:
                     end, sub = _edit(raw, view, start, child, (*path, key))
-                except _Refused as refused:
+                except Refused as refused:
                     # Read on: a second member of the same key is the better reason to give.
                     pending = pending or refused
-                    end = _skip_value(raw, start, path)
+                    end = skip_value(raw, start, path)
                 else:
                     pieces.append(view[cursor:start])
                     pieces.extend(sub)
                     cursor = end
             else:
-                end = _skip_value(raw, start, path)
+                end = skip_value(raw, start, path)
             m = after(raw, end)
             if m is None:
-                raise _Refused("invalid_json", path)
+                raise Refused("invalid_json", path)
             p = m.end()
             if m.lastindex == 2:
                 end = p
@@ -430,10 +435,10 @@ def _edit_object(
         raise pending
     for wanted in children:
         if wanted not in keys:
-            raise _Refused("missing_path", (*path, wanted))
+            raise Refused("missing_path", (*path, wanted))
     for new in inserts:
         if new in keys:
-            raise _Refused("key_exists", (*path, new))
+            raise Refused("key_exists", (*path, new))
     pieces.append(view[cursor:end])
     return end, pieces
 
@@ -446,7 +451,7 @@ def _edit_array(
     last = max((int(k) for k in children), default=-1)  # without a reorder, nothing past it is read
     spans: list[tuple[int, int]] = []
     edited: dict[int, _Pieces] = {}
-    p = _ws(raw, pos + 1)
+    p = skip_space(raw, pos + 1)
     if raw[p] == _CLOSE_ARRAY:
         end = p + 1
     else:
@@ -461,18 +466,18 @@ def _edit_array(
                 e, sub = _edit(raw, view, p, child, (*path, index))
                 edited[index] = sub
             else:
-                e = _skip_value(raw, p, path)
+                e = skip_value(raw, p, path)
             spans.append((p, e))
             m = separator(raw, e)
             if m is None:
-                raise _Refused("invalid_json", path)
+                raise Refused("invalid_json", path)
             p = m.end()
             if m.lastindex == 2:
                 end = p
                 break
             index += 1
     if last >= len(spans):
-        raise _Refused("missing_path", (*path, last))
+        raise Refused("missing_path", (*path, last))
     if order is None:
         pieces: _Pieces = []
         cursor = pos
@@ -485,7 +490,7 @@ def _edit_array(
         return end, pieces
     n = len(spans)
     if any(i >= n for i in order):
-        raise _Refused("invalid_edit", path)
+        raise Refused("invalid_edit", path)
     if not spans:
         return end, [view[pos:end]]
     # Separators stay where they are; whole elements move between them.
@@ -507,9 +512,9 @@ def _skip_elements(raw: bytes, pos: int, path: Path) -> int:
     """End of the array whose remaining elements start at ``pos``."""
     separator = _SEPARATOR.match
     while True:
-        m = separator(raw, _skip_value(raw, pos, path))
+        m = separator(raw, skip_value(raw, pos, path))
         if m is None:
-            raise _Refused("invalid_json", path)
+            raise Refused("invalid_json", path)
         pos = m.end()
         if m.lastindex == 2:
             return pos
@@ -525,14 +530,14 @@ def _check_replaced(span: bytes, path: Path) -> None:
         # 1E400 is a number orjson refuses to read: say so rather than "not JSON".
         for m in _TOKEN.finditer(span):
             if m.lastindex == 2 and not _number_survives(m.group(2)):
-                raise _Refused("unsafe_number", path) from None
-        raise _Refused("invalid_json", path) from None
+                raise Refused("unsafe_number", path) from None
+        raise Refused("invalid_json", path) from None
     first = span[0]
     if first == _QUOTE or first in b"tfn":
         return
     if first != _OPEN_OBJECT and first != _OPEN_ARRAY:
         if not _number_survives(span):
-            raise _Refused("unsafe_number", path)
+            raise Refused("unsafe_number", path)
         return
     # orjson accepted the span, so its tokens follow each other with nothing in between.
     keys: list[set[str] | None] = []
@@ -559,11 +564,11 @@ def _check_replaced(span: bytes, path: Path) -> None:
                 assert seen is not None
                 key = _key(m.group(1), path)
                 if key in seen:
-                    raise _Refused("duplicate_key", path)
+                    raise Refused("duplicate_key", path)
                 seen.add(key)
                 key_next = False
         elif kind == 2 and not _number_survives(m.group(2)):
-            raise _Refused("unsafe_number", path)
+            raise Refused("unsafe_number", path)
 
 
 def _number_survives(token: bytes) -> bool:

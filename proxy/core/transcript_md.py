@@ -80,7 +80,7 @@ from typing import Any
 
 import orjson
 
-from ..errors import TranscriptFormatError
+from .errors import TranscriptFormatError
 from .identity import message_identity, tools_identity
 from .model import ROLE_TOOLS, Node, SessionTotals, chain
 from .policy import Policy

@@ -29,7 +29,7 @@ from ..core.plan import TurnPlan, plan_turn
 from ..core.policy import Policy
 from ..core.prefix import Recalled
 from ..core.record import Reply, ReplyAssembler, reply_from_body
-from ..core.splice import Edit, Insert, _ws, splice
+from ..core.splice import Edit, Insert, skip_space, splice
 from ..core.splice import Replace as SetValue
 from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
@@ -205,10 +205,10 @@ def insert_first_member(raw: bytes, member: bytes) -> bytes | None:
     """
     if raw.count(b'"stream"') != 1 or b'"stream_options"' in raw or b"\\u" in raw:
         return None
-    start = _ws(raw, 0)
+    start = skip_space(raw, 0)
     if start >= len(raw) or raw[start] != 0x7B:  # "{"
         return None
-    first = _ws(raw, start + 1)
+    first = skip_space(raw, start + 1)
     if first >= len(raw) or raw[first] == 0x7D:  # "}": an empty object (no messages): the splice knows
         return None
     view = memoryview(raw)
