@@ -1,5 +1,5 @@
-# kvwarm: `make run` serves the proxy, `make test` runs the whole suite.
-# Both create the virtualenv (.venv) and install the project on first use.
+# kvwarm: `make run` serves the proxy, `make test` runs the whole suite, `make test-fast` the
+# unit tier. They create the virtualenv (.venv) and install the project on first use.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,7 +8,15 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= config/kvwarm.toml
 ENGINE_DIR ?= $(HOME)/.cache/kvwarm-engine
 
-.PHONY: run test bench bench-peers lint compile engine bench-engine dashboard demo sim clean
+.PHONY: run test test-fast native bench bench-peers lint compile engine bench-engine dashboard demo sim clean
+
+# The unit tier (`make test-fast`): the pure core, the reference upstream, the request path's
+# cost checks and the settings/CLI/metrics units. No server but kvwarm's and the reference
+# upstream's on loopback (no Redis, Chromium, Codex, Prometheus, engine), no compile, no wheel.
+FAST_TESTS ?= tests/core tests/sim tests/perf tests/test_config.py tests/test_prices.py \
+	tests/test_metrics.py tests/test_admin.py tests/test_inspect_cli.py
+# Extra pytest arguments, e.g. `make test ARGS="tests/test_native.py -x"`.
+ARGS ?=
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +28,11 @@ $(STAMP): pyproject.toml
 compile: $(STAMP)
 	$(PY) -m proxy.build --if-stale
 
+## native: compile when this machine can (a C compiler and Python's headers), else say once
+## that the request path runs as plain Python; a build that fails with a compiler still fails
+native: $(STAMP)
+	$(PY) -m proxy.build --if-stale --or-pure
+
 ## run: start the proxy on 127.0.0.1:8080 with config/kvwarm.toml
 # Without a C compiler it serves as plain Python (the start line and kvwarm_build_info say so).
 run: $(STAMP)
@@ -30,9 +43,13 @@ run: $(STAMP)
 sim: $(STAMP)
 	$(VENV)/bin/kvwarm upstream-sim --port 8090
 
-## test: the whole suite
-test: compile
-	$(PY) -m pytest
+## test: the whole suite (compiled where a C compiler is, else as plain Python)
+test: native
+	$(PY) -m pytest $(ARGS)
+
+## test-fast: the unit tier, no compile step (a stale build runs as plain Python); not `slow` tests
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(FAST_TESTS) $(ARGS)
 
 ## lint: ruff and mypy (strict on the package)
 lint: $(STAMP)

@@ -98,7 +98,7 @@ def create_app(
     else:
         app[STORE] = store if isinstance(store, AsyncStore) else LocalStore(store)
     if prices is None:
-        prices = PriceTable.load(settings.metrics.prices_file) if settings.metrics.prices_file else PriceTable.default()
+        prices = settings.metrics.prices()
     app[PRICES] = prices
     app[READY] = asyncio.Event()
     app.cleanup_ctx.append(_resources)

@@ -7,6 +7,11 @@ matches the sources again, the package imports them as plain Python (:mod:`proxy
 ``--if-stale`` compiles only when the sources changed since the last build (or nothing was
 built); ``--clean`` removes the extension modules and the manifest. Needs mypy (the ``dev`` extra)
 and a C compiler with Python's headers.
+
+A machine without a C compiler (or without Python's headers) cannot compile: kvwarm runs there as
+plain Python, the same code. :func:`unavailable` tells that case apart from a build that fails;
+``--or-pure`` (``make test``) says it in one line and succeeds, where a failing build with a
+compiler present is still an error.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ import argparse
 import contextlib
 import io
 import os
+import shlex
+import shutil
 import sys
 import sysconfig
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .native import COMPILED, MANIFEST, PACKAGE, fingerprint, source, stale
@@ -38,11 +45,39 @@ def clean() -> int:
     return removed
 
 
-def compile_native() -> None:
-    """Compile :data:`COMPILED` in place; raises with the compiler's output when it fails."""
+def c_compiler(environ: Mapping[str, str] | None = None) -> str:
+    """The C compiler command a build runs: ``CC`` from the environment when it is set (even
+    empty), else the one Python was built with, as setuptools chooses it."""
+    env = os.environ if environ is None else environ
+    if "CC" in env:
+        return env["CC"]
+    configured = sysconfig.get_config_var("CC")
+    return configured if isinstance(configured, str) else "cc"
+
+
+def unavailable(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why this machine cannot compile the request path: no C compiler (:func:`c_compiler` is
+    not found on ``PATH``) or no Python headers. None when it can, and then a build that fails
+    is an error to show, not a reason to run as plain Python."""
+    env = os.environ if environ is None else environ
+    command = c_compiler(env)
+    try:
+        words = shlex.split(command)
+    except ValueError:  # unbalanced quotes: setuptools could not run it either
+        words = []
+    if not words or shutil.which(words[0], path=env.get("PATH")) is None:
+        return f"no C compiler (CC={command!r} is not on this machine; install gcc, or set CC)"
     header = Path(sysconfig.get_paths()["include"]) / "Python.h"
     if not header.is_file():
-        raise RuntimeError(f"Python's C headers are missing ({header}): install python3-dev")
+        return f"Python's C headers are missing ({header}; install python3-dev)"
+    return None
+
+
+def compile_native() -> None:
+    """Compile :data:`COMPILED` in place; raises with the compiler's output when it fails."""
+    why = unavailable()
+    if why is not None:
+        raise RuntimeError(why)
     try:
         from mypyc.build import mypycify
         from setuptools import setup  # type: ignore[import-untyped]
@@ -80,11 +115,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m proxy.build", description=__doc__.splitlines()[0])
     parser.add_argument("--clean", action="store_true", help="remove the compiled modules instead")
     parser.add_argument("--if-stale", action="store_true", help="only when the sources changed since the last build")
+    parser.add_argument(
+        "--or-pure",
+        action="store_true",
+        help="on a machine that cannot compile (no C compiler or Python headers) say so and succeed: "
+        "kvwarm then runs as plain Python. A build that fails with a compiler present still fails",
+    )
     args = parser.parse_args(argv)
     if args.clean:
         print(f"kvwarm: removed {clean()} compiled modules; the request path runs as plain Python")
         return 0
     if args.if_stale and stale() is None:
+        return 0
+    why = unavailable()
+    if why is not None and args.or_pure:
+        print(f"kvwarm: {why}: the request path runs as plain Python, not compiled")
         return 0
     started = time.monotonic()
     try:

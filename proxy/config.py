@@ -1,9 +1,16 @@
 """Settings: one frozen value, loaded and validated once.
 
-Sources, later ones winning: the TOML file (``config/kvwarm.toml`` by
-default), then ``KVWARM_<SECTION>_<KEY>`` environment variables (for example
-``KVWARM_UPSTREAM_BASE_URL``), then command-line flags. Every invalid value
-raises :class:`~proxy.errors.ConfigError` naming the dotted key and the problem.
+Sources, later ones winning: the built-in defaults (the fields below), the TOML file given
+(``kvwarm serve --config FILE``; none by default, wherever kvwarm runs from:
+``config/kvwarm.toml`` in the repository documents every key at its default), then
+``KVWARM_<SECTION>_<KEY>`` environment variables (for example ``KVWARM_UPSTREAM_BASE_URL``),
+then command-line flags. Every invalid value raises :class:`~proxy.errors.ConfigError` naming
+the dotted key and the problem.
+
+The price table is read here too (:meth:`MetricsSettings.prices`): the file
+``metrics.prices_file`` names, else the one shipped inside the package
+(``proxy/defaults/prices.toml``, package data read with :mod:`importlib.resources`), parsed
+and handed to the pure core (:mod:`proxy.core.pricing`).
 """
 
 from __future__ import annotations
@@ -13,15 +20,19 @@ import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from .core.policy import Policy
+from .core.pricing import PriceTable
+from .egress import IDLE_CONNECTION_TIMEOUT, Proxy, check_tls_files
 from .errors import ConfigError, InvalidSetting
 from .store.urls import is_redis_url
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "kvwarm.toml"
+SHIPPED_PRICES = ("defaults", "prices.toml")
+"""The price table shipped as package data: its path inside the ``proxy`` package."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +73,47 @@ class UpstreamSettings:
     """Longest gap between two chunks of a streamed response."""
     total_timeout: float = 1800.0
     max_connections: int = 256
+    idle_connection_timeout: float = IDLE_CONNECTION_TIMEOUT
+    """Seconds an idle pooled connection to the upstream is kept; then it is closed, never
+    reused. Below the 5 s after which uvicorn (vLLM, SGLang), llama.cpp's server and Node close
+    an idle keep-alive connection: kvwarm does not write a request into a connection its server
+    is closing, a request it could not send again (the upstream may have read it)."""
+    proxy: str | None = None
+    """The egress proxy for every upstream: ``http://[user:password@]host:port``. Unset (None):
+    ``https_proxy`` / ``http_proxy`` below, from the environment. ``""``: no proxy, whatever
+    the environment says. ``no_proxy`` applies either way."""
+    https_proxy: str = ""
+    """The proxy for https upstreams while ``proxy`` is unset. Default: the environment's
+    ``https_proxy``, else ``HTTPS_PROXY`` (read once, by :func:`load_settings`)."""
+    http_proxy: str = ""
+    """The same for http upstreams (``http_proxy``, else ``HTTP_PROXY``)."""
+    no_proxy: str = ""
+    """Hosts reached without a proxy, as curl and requests read ``NO_PROXY``: comma-separated
+    ``*``, domain suffixes, IP addresses, CIDR ranges, each with an optional ``:port``.
+    Default: the environment's ``no_proxy``, else ``NO_PROXY``."""
+    ca_file: str = ""
+    """PEM file of CA certificates trusted for https upstreams besides the default trust (the
+    system's, or OpenSSL's ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when set)."""
+    client_cert: str = ""
+    """PEM client certificate (with its chain) presented when an upstream asks for one; its key
+    is ``client_key``, or in the same file."""
+    client_key: str = ""
+
+
+PROXY_ENVIRONMENT = (("https_proxy", "HTTPS_PROXY"), ("http_proxy", "HTTP_PROXY"), ("no_proxy", "NO_PROXY"))
+"""The environment variables of ``upstream.https_proxy``, ``http_proxy``, ``no_proxy``."""
+
+
+def proxy_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """``upstream.https_proxy``, ``http_proxy`` and ``no_proxy`` as the environment sets them,
+    the lowercase variable first (as curl, requests and Python's urllib read them); a value set
+    in the file or by ``KVWARM_UPSTREAM_*`` wins over them."""
+    found: dict[str, str] = {}
+    for lower, upper in PROXY_ENVIRONMENT:
+        value = env.get(lower, env.get(upper))
+        if value is not None:
+            found[lower] = value.strip()
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +173,14 @@ class RoutingSettings:
     max_load_factor: float = 1.25
     """A replica whose in-flight requests reach this times the healthy replicas' mean (counting
     the request being placed) takes no more sessions until it drains; at least 1."""
+    balance_abs_threshold: int = 32
+    """A session leaves its home (moves to the least-loaded replica) only when the home is
+    overloaded (``max_load_factor``) and holds more than this many requests in flight beyond
+    the least-loaded healthy replica; at least 0 (0: bounded load alone). A move costs a
+    prefill of the session's whole history; a few more requests in a batching engine's batch
+    cost little. An agent session has one request in flight at a time, so with 32 no session
+    moves while 33 or fewer sessions run, however they are spread; 32 in-flight requests are
+    still well within one engine's batch (vLLM schedules up to 256 sequences)."""
     eject_errors: int = 3
     """5xx responses or failures in ``eject_window`` seconds that eject a replica (a refused
     connection ejects it at once)."""
@@ -149,9 +209,24 @@ class MetricsSettings:
     max_models: int = 20
     """Distinct ``model`` label values; later models are counted as ``other``."""
     prices_file: str = ""
-    """Price table (TOML). Empty: the shipped ``config/prices.toml``."""
+    """Price table (TOML), replacing the shipped one whole. Empty: the table shipped inside the
+    package (``proxy/defaults/prices.toml``)."""
     token: str = ""
     """Bearer token the metrics path requires. Empty: open (as Prometheus exporters usually are)."""
+
+    def prices(self) -> PriceTable:
+        """The price table: ``prices_file``, else the shipped one. Read when an app is built
+        (each worker reads its own), not when settings load; a file that cannot be read or a
+        bad entry is a ConfigError naming the key."""
+        if self.prices_file:
+            path = Path(self.prices_file)
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                raise ConfigError("metrics.prices_file", f"cannot read {path}: {exc.strerror}") from exc
+            return parse_prices(data, str(path))
+        shipped = files("proxy").joinpath(*SHIPPED_PRICES)
+        return parse_prices(shipped.read_bytes(), "the shipped price table")
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,10 +270,11 @@ def load_settings(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Settings:
-    """Read TOML, then environment, then ``overrides`` (dotted keys from flags)."""
+    """Read the TOML file ``path`` (None: no file, the built-in defaults), then environment,
+    then ``overrides`` (dotted keys from flags)."""
     raw: dict[str, dict[str, Any]] = {}
-    file = Path(path) if path is not None else DEFAULT_CONFIG
-    if path is not None or file.exists():
+    if path is not None:
+        file = Path(path)
         try:
             text = file.read_text(encoding="utf-8")
         except OSError as exc:
@@ -213,7 +289,10 @@ def load_settings(
             if not isinstance(values, dict):
                 raise ConfigError(section, "must be a table")
             raw[section] = dict(values)
-    for name, value in (os.environ if env is None else env).items():
+    environment = os.environ if env is None else env
+    for key, value in proxy_environment(environment).items():  # under the file's values
+        raw.setdefault("upstream", {}).setdefault(key, value)
+    for name, value in environment.items():
         if not name.startswith("KVWARM_"):
             continue
         dotted = _env_key(name)
@@ -353,11 +432,7 @@ def _validate(s: Settings) -> None:
     if len(seen) != len(urls):
         raise ConfigError("upstream.base_url", "lists the same URL twice")
     _validate_routing(s.routing)
-    for name in ("connect_timeout", "first_byte_timeout", "idle_timeout", "total_timeout"):
-        if getattr(s.upstream, name) <= 0:
-            raise ConfigError(f"upstream.{name}", "must be a positive number of seconds")
-    if s.upstream.max_connections <= 0:
-        raise ConfigError("upstream.max_connections", "must be positive")
+    _validate_upstream(s.upstream)
     backend = s.store.backend
     if backend != "memory" and not (backend.startswith("sqlite:") and len(backend) > len("sqlite:")) and not is_redis_url(backend):
         raise ConfigError("store.backend", f"expected 'memory', 'sqlite:PATH' or a redis:// URL, got {backend!r}")
@@ -393,11 +468,39 @@ def _validate(s: Settings) -> None:
         raise ConfigError("log.level", f"expected one of {', '.join(sorted(_LEVELS))}")
 
 
+def _validate_upstream(u: UpstreamSettings) -> None:
+    for name in ("connect_timeout", "first_byte_timeout", "idle_timeout", "total_timeout", "idle_connection_timeout"):
+        if not getattr(u, name) > 0:
+            raise ConfigError(f"upstream.{name}", "must be a positive number of seconds")
+    if u.max_connections <= 0:
+        raise ConfigError("upstream.max_connections", "must be positive")
+    if u.proxy is not None and not isinstance(u.proxy, str):
+        raise ConfigError("upstream.proxy", f"expected a proxy URL or \"\" (no proxy), got {u.proxy!r}")
+    proxies = [("proxy", u.proxy)] if u.proxy is not None else [("https_proxy", u.https_proxy), ("http_proxy", u.http_proxy)]
+    for name, url in proxies:
+        if url:
+            try:
+                Proxy.parse(url)
+            except ValueError as exc:
+                hint = "" if name == "proxy" else f" (from {name.upper()} or {name} in the environment unless set here; upstream.proxy = \"\" ignores the environment)"
+                raise ConfigError(f"upstream.{name}", f"{exc}{hint}") from None
+    try:
+        check_tls_files(u.ca_file, u.client_cert, u.client_key)
+    except ValueError as exc:
+        key, _, problem = str(exc).partition(": ")
+        raise ConfigError(f"upstream.{key}", problem) from None
+
+
 def _validate_routing(r: RoutingSettings) -> None:
     if r.policy not in ROUTING_POLICIES:
         raise ConfigError("routing.policy", f"expected one of {', '.join(ROUTING_POLICIES)}, got {r.policy!r}")
     if not r.max_load_factor >= 1.0:
         raise ConfigError("routing.max_load_factor", f"must be at least 1.0, got {r.max_load_factor}")
+    if r.balance_abs_threshold < 0:
+        raise ConfigError(
+            "routing.balance_abs_threshold",
+            f"must be 0 or more (requests in flight beyond the least-loaded replica), got {r.balance_abs_threshold}",
+        )
     if r.eject_errors < 1:
         raise ConfigError("routing.eject_errors", "must be at least 1")
     for name in ("eject_window", "eject_seconds"):
@@ -411,3 +514,15 @@ def _validate_routing(r: RoutingSettings) -> None:
         raise ConfigError("routing.prompt_cache_key", f"expected \"session\" or \"\" (off), got {r.prompt_cache_key!r}")
     if r.prompt_cache_key_rpm < 1:
         raise ConfigError("routing.prompt_cache_key_rpm", "must be at least 1")
+
+
+def parse_prices(data: bytes, source: str) -> PriceTable:
+    """A price table from the bytes of its TOML file (``source`` names it in errors)."""
+    try:
+        parsed = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("prices", f"{source} is not valid TOML: {exc}") from None
+    try:
+        return PriceTable.from_mapping(parsed)
+    except InvalidSetting as exc:
+        raise ConfigError(exc.key, f"{exc.problem} (in {source})") from exc

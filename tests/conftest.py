@@ -165,3 +165,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterPr
     procs = RedisClusterProcesses(tmp_path_factory.mktemp("cluster")).start()
     yield procs
     procs.stop()
+
+
+def pytest_report_header() -> str:
+    """Say once, at the top of every run, how the request path runs (compiled, or plain Python
+    and why: KVWARM_PURE=1, a stale build, or a machine that cannot compile)."""
+    from proxy import build, native
+
+    why = build.unavailable() if native.state() != "compiled" else None
+    return f"kvwarm request path: {native.state()}" + (f"; this machine cannot compile: {why}" if why else "")

@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from proxy.config import DEFAULT_CONFIG, Settings, load_settings
+import proxy
+from proxy import cli
+from proxy.config import Settings, load_settings
 from proxy.errors import ConfigError
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "config" / "kvwarm.toml"
 
 
 def test_shipped_config_is_valid_and_matches_defaults() -> None:
-    assert load_settings(DEFAULT_CONFIG, env={}) == Settings()
+    assert load_settings(EXAMPLE, env={}) == Settings()
+
+
+def test_no_config_file_means_the_built_in_defaults(tmp_path: Path) -> None:
+    """Without ``--config`` no file is read, not even a ``config/kvwarm.toml`` in the working
+    directory or beside the package: an installed kvwarm starts anywhere on its defaults."""
+    package = Path(proxy.__file__).parent
+    shutil.copytree(package, tmp_path / "proxy", ignore=shutil.ignore_patterns("*.so", "__pycache__", "_native.sha256"))
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "kvwarm.toml").write_text("[server]\nport = 1\n")
+    done = subprocess.run(
+        [sys.executable, "-c", "from proxy.config import load_settings; print(load_settings(None, env={}).server.port)"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "8080\n"
 
 
 def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
@@ -77,3 +99,17 @@ def test_cli_help_documents_every_flag() -> None:
     out = subprocess.run([sys.executable, "-m", "proxy", "upstream-sim", "--help"], capture_output=True, text=True, timeout=60).stdout
     for flag in ("--host", "--port", "--cache", "--openhuman"):
         assert flag in out
+
+
+def test_version_is_the_installed_distributions() -> None:
+    out = subprocess.run([sys.executable, "-m", "proxy", "--version"], capture_output=True, text=True, timeout=60).stdout
+    assert out == f"kvwarm {metadata.version('kvwarm')}\n"
+    assert metadata.version("kvwarm") == proxy.__version__  # pyproject.toml reads proxy.__version__
+
+
+def test_version_of_a_checkout_that_was_never_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert cli.version() == f"{proxy.__version__} (not installed)"

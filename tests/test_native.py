@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 import proxy
-from proxy import native
+from proxy import build, native
 from proxy.sim.server import SimConfig, create_sim_app
 from tests.agents import Agent, args_keys_reordered, tool_results_reordered, tools_reordered
 from tests.conftest import received
@@ -32,12 +33,29 @@ def environ(**env: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k != native.PURE_ENV}, **env}
 
 
+def pure_on_purpose() -> bool:
+    """``KVWARM_PURE=1``: this run is plain Python because it was asked to be."""
+    return os.environ.get(native.PURE_ENV, "") not in ("", "0")
+
+
+def skip_unless_this_machine_compiles() -> None:
+    """Skip, with the reason, on a machine that cannot compile (no C compiler or no Python
+    headers: :func:`proxy.build.unavailable`), where kvwarm runs as plain Python by design. On a
+    machine that can, a missing or stale build is not skipped: the test then fails."""
+    if native.stale() is None:
+        return
+    why = build.unavailable()
+    if why is not None:
+        pytest.skip(f"plain Python on this machine: {why}")
+
+
 def test_the_suite_runs_the_request_path_compiled() -> None:
-    """`make test` compiles first: the suite tests what `make run` serves. (KVWARM_PURE=1 runs it
-    as plain Python on purpose.)"""
-    if os.environ.get(native.PURE_ENV, "") not in ("", "0"):
+    """`make test` compiles first where a C compiler is: the suite tests what `make run` serves.
+    (KVWARM_PURE=1 runs it as plain Python on purpose; a machine without a compiler, by need.)"""
+    if pure_on_purpose():
         assert native.state() == f"pure: {native.PURE_ENV}=1"
         return
+    skip_unless_this_machine_compiles()
     assert native.state() == "compiled", f"{native.state()}: run `make compile` (or `make test`)"
     import proxy.core.match
     import proxy.store.memory
@@ -150,6 +168,7 @@ def test_a_traceback_through_compiled_code_is_formatted(tmp_path: Path) -> None:
     assert done.stdout.strip().endswith(native.state())
 
 
+@pytest.mark.timeout(300)  # two interpreters run 1 200 requests each, each bounded at 120 s
 @pytest.mark.parametrize("seed", [7, 2026])
 def test_odd_conversations_fare_alike_compiled_and_as_plain_python(seed: int) -> None:
     """1 200 requests of odd and drifted conversations (tests/native_fuzz.py) through the stages:
@@ -169,6 +188,36 @@ def test_odd_conversations_fare_alike_compiled_and_as_plain_python(seed: int) ->
     assert (compiled_state, pure_state) == ("compiled" if why is None else f"pure: {why}", f"pure: {native.PURE_ENV}=1")
     assert len(compiled) == 1200 and compiled == pure
     assert sum('"whitespace"' in line or '"arguments"' in line for line in pure) > 100, "drift was repaired"
+
+
+def test_a_machine_without_a_c_compiler_is_told_apart_from_a_failing_build(tmp_path: Path) -> None:
+    """``proxy.build.unavailable``: the compiler setuptools would run (``CC``, else Python's own)
+    must be on ``PATH``; only then is a build expected, and its failure an error."""
+    path = os.environ.get("PATH", "")
+    for cc in ("/nonexistent", "", "gcc -pthread"):
+        why = build.unavailable({"CC": cc, "PATH": str(tmp_path)})  # nothing on that PATH
+        assert why is not None and why.startswith("no C compiler") and repr(cc) in why, why
+    fake = tmp_path / "fakecc"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    expected = None if headers.is_file() else f"Python's C headers are missing ({headers}; install python3-dev)"
+    assert build.unavailable({"CC": "fakecc -O2", "PATH": f"{tmp_path}:{path}"}) == expected
+    assert build.c_compiler({}) == sysconfig.get_config_var("CC")  # unset: Python's own compiler
+
+
+def test_the_build_step_of_make_test_goes_on_as_plain_python_without_a_compiler() -> None:
+    """``make test`` runs ``python -m proxy.build --if-stale --or-pure`` first: without a C
+    compiler it says why in one line and succeeds; a plain ``make compile`` still fails. Neither
+    touches the build (it stops before cleaning anything)."""
+    before = sorted(native.PACKAGE.rglob("*.so")), native.MANIFEST.is_file()
+    env = environ(CC="/nonexistent")
+    tolerated = subprocess.run([sys.executable, "-m", "proxy.build", "--or-pure"], env=env, capture_output=True, text=True, timeout=60)
+    assert tolerated.returncode == 0, tolerated.stderr
+    assert tolerated.stdout == "kvwarm: no C compiler (CC='/nonexistent' is not on this machine; install gcc, or set CC): the request path runs as plain Python, not compiled\n"
+    refused = subprocess.run([sys.executable, "-m", "proxy.build"], env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "not compiled" in refused.stderr and "/nonexistent" in refused.stderr
+    assert (sorted(native.PACKAGE.rglob("*.so")), native.MANIFEST.is_file()) == before
 
 
 def test_the_fingerprint_covers_sources_names_and_interpreter() -> None:
@@ -193,6 +242,9 @@ async def serve(sim: TestServer, **env: str) -> tuple[Any, str]:
 async def test_compiled_and_plain_python_answer_alike(aiohttp_server: Any, drift: Any) -> None:
     """The same drifting agent through a compiled kvwarm and a plain Python one: the same bytes
     upstream (repaired alike), the same prefix headers, and each says how it runs."""
+    if pure_on_purpose() and native.stale() is not None:
+        pytest.skip(f"{native.PURE_ENV}=1 and no current build to compare with")
+    skip_unless_this_machine_compiles()
     results = []
     for env in ({}, {native.PURE_ENV: "1"}):
         sim = await aiohttp_server(create_sim_app(SimConfig()))

@@ -1,7 +1,9 @@
 """Cost of a response: from the provider's bill when it sends one, else from a price table.
 
-The table is a TOML file (the shipped one is ``config/prices.toml``) of USD per
-million tokens::
+The table is parsed TOML of USD per million tokens (the shipped one is
+``proxy/defaults/prices.toml``; :meth:`proxy.config.MetricsSettings.prices` reads it, or the
+file ``metrics.prices_file`` names, and hands the parsed mapping to
+:meth:`PriceTable.from_mapping`)::
 
     [models."gpt-4o"]
     input = 2.5          # uncached prompt tokens
@@ -19,6 +21,10 @@ prefix (``openai/gpt-4o``, ``openrouter/anthropic/...``), a ``:tag``
 suffixes (``gpt-4o-2024-08-06``, ``claude-3-5-sonnet-20241022``, ``-latest``,
 ``@20240620``, ``-0125``, ``-preview-05-06``, ``-preview-09-2025``). An unknown model is *unpriced*:
 its cost is ``None``, never zero.
+
+Like the rest of the core this module does no I/O and knows no kvwarm error: a bad entry
+raises :class:`~proxy.core.errors.InvalidSetting` naming its key (``prices.<model>.<field>``),
+which the config layer turns into a ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -26,18 +32,15 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import re
-import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
 
-import proxy
-from proxy.core.usage import Usage
-from proxy.errors import ConfigError
+from .errors import InvalidSetting
+from .usage import Usage
 
 __all__ = ["Cost", "Price", "PriceTable", "cost_of"]
 
@@ -109,7 +112,7 @@ class PriceTable:
         self._aliases = dict(aliases or {})
         for name, target in self._aliases.items():
             if target not in self._models:
-                raise ConfigError(f"prices.aliases.{name}", f"unknown model {target!r}")
+                raise InvalidSetting(f"prices.aliases.{name}", f"unknown model {target!r}")
         # Case-insensitive fallback; exact spellings above are tried first.
         self._folded: dict[str, Price] = {}
         for name, target in self._aliases.items():
@@ -120,44 +123,28 @@ class PriceTable:
         """The date the prices were taken from the providers (``as_of`` in the file)."""
 
     @classmethod
-    def load(cls, path: str | Path) -> PriceTable:
-        """Read a price table; a bad entry raises :class:`ConfigError` naming its key."""
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except OSError as exc:
-            raise ConfigError("prices", f"cannot read {path}: {exc}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("prices", f"invalid TOML in {path}: {exc}") from exc
-        return cls.from_mapping(data)
-
-    @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> PriceTable:
-        """Build from parsed TOML (``models``, ``aliases``, optional ``as_of``)."""
+        """Build from parsed TOML (``models``, ``aliases``, optional ``as_of``); a bad entry
+        raises :class:`~proxy.core.errors.InvalidSetting` naming its key."""
         for key in data:
             if key not in ("models", "aliases", "as_of"):
-                raise ConfigError(f"prices.{key}", "unknown key (expected models, aliases, as_of)")
+                raise InvalidSetting(f"prices.{key}", "unknown key (expected models, aliases, as_of)")
         models_raw = data.get("models", {})
         if not isinstance(models_raw, Mapping):
-            raise ConfigError("prices.models", "must be a table of models")
+            raise InvalidSetting("prices.models", "must be a table of models")
         models = {name: _price(name, entry) for name, entry in models_raw.items()}
         aliases_raw = data.get("aliases", {})
         if not isinstance(aliases_raw, Mapping):
-            raise ConfigError("prices.aliases", "must be a table of name = model")
+            raise InvalidSetting("prices.aliases", "must be a table of name = model")
         aliases: dict[str, str] = {}
         for name, target in aliases_raw.items():
             if not isinstance(target, str):
-                raise ConfigError(f"prices.aliases.{name}", "must be a model name (a string)")
+                raise InvalidSetting(f"prices.aliases.{name}", "must be a model name (a string)")
             aliases[name] = target
         as_of = data.get("as_of")
         if as_of is not None and not isinstance(as_of, _dt.date):
-            raise ConfigError("prices.as_of", "must be a date (YYYY-MM-DD)")
+            raise InvalidSetting("prices.as_of", "must be a date (YYYY-MM-DD)")
         return cls(models, aliases, as_of)
-
-    @classmethod
-    def default(cls) -> PriceTable:
-        """The table shipped with kvwarm (``config/prices.toml``)."""
-        return cls.load(Path(proxy.__file__).parent.parent / "config" / "prices.toml")
 
     @property
     def models(self) -> Mapping[str, Price]:
@@ -232,16 +219,16 @@ def _candidates(name: str) -> Iterator[str]:
 
 def _price(model: str, entry: Any) -> Price:
     if not isinstance(entry, Mapping):
-        raise ConfigError(f"prices.{model}", "must be a table with input and output prices")
+        raise InvalidSetting(f"prices.{model}", "must be a table with input and output prices")
     for key in entry:
         if key not in _FIELDS:
-            raise ConfigError(
+            raise InvalidSetting(
                 f"prices.{model}.{key}",
                 "unknown field (expected input, cached_input, cache_write, output)",
             )
     for key in _REQUIRED:
         if key not in entry:
-            raise ConfigError(f"prices.{model}.{key}", "missing (USD per million tokens)")
+            raise InvalidSetting(f"prices.{model}.{key}", "missing (USD per million tokens)")
     values: dict[str, float | None] = {}
     for key in _FIELDS:
         value = entry.get(key)
@@ -249,10 +236,10 @@ def _price(model: str, entry: Any) -> Price:
             values[key] = None
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"prices.{model}.{key}", f"must be a number, not {value!r}")
+            raise InvalidSetting(f"prices.{model}.{key}", f"must be a number, not {value!r}")
         number = float(value)
         if not math.isfinite(number) or number < 0:
-            raise ConfigError(
+            raise InvalidSetting(
                 f"prices.{model}.{key}", f"must be a finite number >= 0, not {value!r}"
             )
         values[key] = number

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.clients.capture import (
     CODE_MODE_SOURCE,
     COMMAND_MARKER,
@@ -22,6 +24,7 @@ from tests.clients.capture import (
 from tests.clients.codex import DEFAULT_MODEL, THROWAWAY_KEY, run_codex
 from tests.clients.conftest import Upstream
 
+pytestmark = pytest.mark.timeout(300)  # the real Codex CLI, each run bounded at 90 s
 PROMPT = "Run `echo kvwarm` in the shell, then say done."
 
 

@@ -333,12 +333,18 @@ def test_pin_patterns_mask_only_their_role() -> None:
 
 
 def test_policy_rejects_bad_patterns() -> None:
+    from proxy.config import RepairSettings
+    from proxy.core.errors import InvalidSetting
     from proxy.errors import ConfigError
 
-    with pytest.raises(ConfigError):
+    with pytest.raises(InvalidSetting, match=r"repair\.pin_patterns\.system: invalid regex"):
         Policy.build(True, False, {"system": ["("]})
-    with pytest.raises(ConfigError):
+    with pytest.raises(InvalidSetting, match="matches the empty string"):
         Policy.build(True, False, {"system": ["x*"]})
+    # The edge names the key as a configuration error.
+    with pytest.raises(ConfigError) as info:
+        RepairSettings(pin_patterns={"user": ("x*",)}).policy()
+    assert info.value.key == "repair.pin_patterns.user"
 
 
 # -- robustness and the fast path ------------------------------------------------------------

@@ -1,21 +1,30 @@
-"""The price table (shipped file, name resolution, validation) and the cost arithmetic."""
+"""The price table (name resolution, validation of a parsed table) and the cost arithmetic.
+
+The core takes the parsed table and does no I/O; reading the shipped table or
+``metrics.prices_file`` and turning a bad entry into a ConfigError is the config layer's
+(tests/test_prices.py)."""
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
 import math
-from pathlib import Path
+import tomllib
 
 import pytest
 
+from proxy import native
+from proxy.config import MetricsSettings
+from proxy.core import pricing
+from proxy.core.errors import InvalidSetting
 from proxy.core.pricing import Cost, Price, PriceTable, cost_of
 from proxy.core.usage import Usage
-from proxy.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
 def table() -> PriceTable:
-    return PriceTable.default()
+    """The shipped table, as kvwarm reads it with no ``metrics.prices_file``."""
+    return MetricsSettings().prices()
 
 
 def usage(
@@ -156,19 +165,15 @@ def test_inconsistent_counts_never_go_negative() -> None:
     assert cost.usd == pytest.approx(100 * 0.3 / 1e6)
 
 
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "prices.toml"
-    path.write_text(text)
-    return path
+def parsed(text: str) -> PriceTable:
+    return PriceTable.from_mapping(tomllib.loads(text))
 
 
-def test_load_a_small_table(tmp_path: Path) -> None:
-    path = write(
-        tmp_path,
+def test_a_small_table() -> None:
+    table = parsed(
         'as_of = 2025-01-02\n[aliases]\n"fast" = "m1"\n'
         '[models."m1"]\ninput = 1\ncached_input = 0.1\ncache_write = 1.25\noutput = 4\n',
     )
-    table = PriceTable.load(str(path))
     assert table.lookup("fast") == Price(1.0, 0.1, 1.25, 4.0)
     assert table.lookup("m1-20250101") == Price(1.0, 0.1, 1.25, 4.0)
     assert table.as_of == dt.date(2025, 1, 2)
@@ -190,19 +195,15 @@ def test_load_a_small_table(tmp_path: Path) -> None:
         ("[currency]\nname = 'EUR'\n", "prices.currency"),
         ("models = 3\n", "prices.models"),
         ("as_of = 'yesterday'\n", "prices.as_of"),
-        ("[models\n", "prices"),
     ],
 )
-def test_bad_entries_name_their_key(tmp_path: Path, text: str, key: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        PriceTable.load(write(tmp_path, text))
+def test_bad_entries_name_their_key(text: str, key: str) -> None:
+    """The core's own error, a plain ValueError naming the key; the config layer turns it into
+    a ConfigError (tests/test_prices.py)."""
+    with pytest.raises(InvalidSetting) as info:
+        parsed(text)
     assert info.value.key == key
-    assert isinstance(info.value, ValueError)
-
-
-def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot read"):
-        PriceTable.load(tmp_path / "absent.toml")
+    assert type(info.value) is InvalidSetting and isinstance(info.value, ValueError)
 
 
 def test_cost_is_finite_for_large_counts(table: PriceTable) -> None:
@@ -211,3 +212,19 @@ def test_cost_is_finite_for_large_counts(table: PriceTable) -> None:
     assert cost.usd is not None and math.isfinite(cost.usd)
     # 4e8 * 15 + 5e8 * 1.5 + 1e8 * 18.75 + 1e8 * 75 = 6000 + 750 + 1875 + 7500 USD
     assert cost.usd == pytest.approx(16125.0)
+
+
+def test_pricing_does_no_io_and_imports_nothing_outside_the_core() -> None:
+    """The core takes the parsed table (proxy/config.py reads the file): no file, path or TOML
+    reading here, and no kvwarm error but the core's own (proxy/core/errors.py)."""
+    tree = ast.parse(native.source(pricing.__name__).read_text(encoding="utf-8"))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            assert node.func.id != "open", f"line {node.lineno}: the core opens no file"
+    assert imported <= {"__future__", "datetime", "math", "re", "collections.abc", "dataclasses", "types",
+                        "typing", "mypy_extensions", ".errors", ".usage"}, imported

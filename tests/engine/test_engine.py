@@ -19,6 +19,7 @@ from tests.engine.workload import WORKLOADS, Run, run_workload
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(not engine_available(), reason="engine not built: run `make engine`"),
+    pytest.mark.timeout(600),  # llama-server may take 120 s to start; prefill runs on the CPU
 ]
 TURNS = 4
 

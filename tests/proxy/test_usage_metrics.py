@@ -14,7 +14,7 @@ Source of truth, independent of kvwarm's own parsing:
 * scripted upstreams (small aiohttp apps below) report usage shapes fixed here:
   the expected counters are worked out by hand from those blocks;
 * costs are computed here from the reported tokens and the price table
-  (``config/prices.toml``, read with ``tomllib``); an ``openhuman`` bill is taken
+  (``proxy/defaults/prices.toml``, read with ``tomllib``); an ``openhuman`` bill is taken
   as the upstream stated it.
 """
 
@@ -41,7 +41,7 @@ from tests.conftest import ProxyFactory, metric, received
 SimFactory = Callable[..., Awaitable[TestServer]]
 
 PRICES: dict[str, dict[str, float]] = tomllib.loads(
-    (Path(__file__).parents[2] / "config" / "prices.toml").read_text()
+    (Path(__file__).parents[2] / "proxy" / "defaults" / "prices.toml").read_text()
 )["models"]
 SIM_MODEL = "kvwarm-sim"
 # The reference upstream bills at prices of its own when asked to: different from the table, so a

@@ -22,6 +22,7 @@ from tests.clients.codex import run_codex
 from tests.conftest import ProxyFactory, received, store_of
 from tests.responses.conftest import Exchange, Recorder
 
+pytestmark = pytest.mark.timeout(300)  # the real Codex CLI (two runs in one test, 90 s each at most)
 PROMPT = "Run `echo kvwarm` in the shell, then say done."
 
 
