@@ -30,6 +30,7 @@ __all__ = [
     "Connection",
     "Disconnected",
     "Malformed",
+    "ProxyRefused",
     "TransportError",
     "forward_request_headers",
     "forward_response_headers",
@@ -38,7 +39,9 @@ __all__ = [
 
 HIGH_WATER: Final = 256 * 1024
 """Decoded bytes buffered for a reader before the socket stops being read (until the reader
-takes them: each read takes the whole buffer)."""
+takes them: each read takes the whole buffer). A compressed body is decoded at most this much
+ahead of its reader: the rest waits encoded (:class:`Decoder`), so a body that inflates a
+thousandfold (a decompression bomb) costs no more memory than any other."""
 
 # -- which headers travel ------------------------------------------------------------------------
 
@@ -143,6 +146,17 @@ class ConnectFailed(TransportError):
     """No connection could be opened: the request was never sent."""
 
 
+class ProxyRefused(ConnectFailed):
+    """The egress proxy (:mod:`proxy.egress`) answered ``CONNECT`` (or, for a plain-http
+    upstream, the request) with a status other than 2xx: not one byte of the request reached
+    the upstream. (Here, beside its base: a plain subclass of a compiled class is called
+    through mypyc's glue.)"""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class Disconnected(TransportError):
     """The connection closed before the response was complete."""
 
@@ -163,6 +177,10 @@ class Body:
     """One upstream response: status and headers at once, the body read with :meth:`read_chunk`
     as it arrives. ``release()`` once the body was read to its end returns the connection to
     the pool; ``close()`` (any time) closes it.
+
+    A gzip or deflate body is decoded as it is read, at most :data:`HIGH_WATER` bytes ahead of
+    the reader: encoded bytes whose output has no room wait in the :class:`Decoder`, and the
+    socket is not read while they do (each read decodes the next piece).
 
     No coroutine: a read is a future, done at once when bytes are there, else resolved by the
     connection once a socket read was parsed whole (so a reader takes every chunk that one read
@@ -188,7 +206,10 @@ class Body:
         """The body ends when the connection closes (no length, not chunked)."""
         self._buffer: list[bytes] = []
         self._buffered = 0
+        self._received = no_body
+        """Every byte of the body arrived (a compressed one may not be decoded whole yet)."""
         self._done = no_body
+        """Every byte of the body is decoded, in the buffer or taken."""
         self._error: BaseException | None = None
         self._reader: asyncio.Future[bytes] | None = None
         """The read waiting for bytes."""
@@ -240,30 +261,43 @@ class Body:
 
     def take(self) -> bytes | None:
         """Every body byte that arrived since the last read, in one piece; ``b""`` at the end;
-        None when nothing arrived yet (the caller waits). Raises the response's error."""
+        None when nothing arrived yet (the caller waits). Raises the response's error. A
+        compressed body's next piece is decoded here when its encoded bytes are waiting."""
         buffer = self._buffer
-        if not buffer:
-            if self._error is not None:
-                raise self._error
-            if self._done:
-                return b""
-            return None
-        # One piece (one chunk is not copied): a stream's events come a chunk each, and a
-        # reader that relays them writes once per read, not once per event.
-        chunk = buffer[0] if len(buffer) == 1 else b"".join(buffer)
-        buffer.clear()
-        self._buffered = 0
+        decoder = self._decoder
+        if decoder is not None and not buffer and decoder.backlog:
+            self._inflate(decoder)
+            if self._received and not decoder.backlog:
+                self._finish(decoder)
+        chunk: bytes | None = None
+        if buffer:
+            # One piece (one chunk is not copied): a stream's events come a chunk each, and a
+            # reader that relays them writes once per read, not once per event.
+            chunk = buffer[0] if len(buffer) == 1 else b"".join(buffer)
+            buffer.clear()
+            self._buffered = 0
+        elif self._error is not None:
+            raise self._error
+        elif self._done:
+            return b""
         conn = self._conn
-        if conn is not None and conn.paused:
-            conn.resume()
+        if conn is not None and conn.paused and not self.behind:
+            conn.resume()  # (also when the waiting bytes decoded to nothing: the rest is on the socket)
         return chunk
 
     def ready(self) -> bytes | None:
         """What :meth:`take` would return without waiting and without an error: the bytes that
-        arrived, or ``b""`` at a clean end; None otherwise (the caller reads through its
-        sender, which waits within its timeout and converts the error)."""
-        if self._buffer or (self._done and self._error is None):
-            return self.take()
+        arrived (or the next decoded piece of those), or ``b""`` at a clean end; None otherwise
+        (the caller reads through its sender, which waits within its timeout and converts the
+        error)."""
+        if self._error is not None and not self._buffer:
+            return None
+        decoder = self._decoder
+        if self._buffer or self._done or (decoder is not None and decoder.backlog):
+            try:
+                return self.take()
+            except TransportError:
+                return None  # the next piece did not decode: the sender's read raises it
         return None
 
     @property
@@ -287,47 +321,77 @@ class Body:
     # -- the connection's side ------------------------------------------------------------------
 
     def _feed(self, data: bytes) -> None:
-        if self._done:
-            return  # bytes past the end of this response (the connection is being dropped)
+        if self._received or self._error is not None:
+            return  # bytes past the end of this response, or of a broken one (the connection is being dropped)
         decoder = self._decoder
-        kept = data if decoder is None else self._decompressed(decoder, data)
-        if kept:  # (the connection wakes the reader once the socket read is parsed whole)
-            self._buffer.append(kept)
-            self._buffered += len(kept)
+        if decoder is None:  # (the connection wakes the reader once the socket read is parsed whole)
+            self._buffer.append(data)
+            self._buffered += len(data)
+        else:
+            decoder.feed(data)
+            self._inflate(decoder)
+
+    def _inflate(self, decoder: Decoder) -> None:
+        """Decode what fits below :data:`HIGH_WATER`; the rest waits in ``decoder`` for a read.
+        An error is set, not woken (:meth:`_fail`): this runs inside a read or a socket read,
+        which answers the reader itself."""
+        room = HIGH_WATER - self._buffered
+        if room <= 0 or self._error is not None:
+            return
+        try:
+            decoded = decoder.decode(room)
+        except zlib.error as exc:
+            self._error = Malformed(f"the response body could not be decoded: {exc}")
+            return
+        if decoded:
+            self._buffer.append(decoded)
+            self._buffered += len(decoded)
+
+    @property
+    def behind(self) -> bool:
+        """The reader is behind: the socket is not read until it takes what is buffered (and a
+        compressed body's waiting bytes are decoded)."""
+        decoder = self._decoder
+        return self._buffered > HIGH_WATER or (decoder is not None and decoder.backlog)
 
     def _end(self) -> None:
+        """Every byte of the body arrived (its message ended, or the close that delimits it)."""
+        self._received = True
         decoder = self._decoder
-        if decoder is not None:
-            try:
-                rest = decoder.flush()
-            except zlib.error as exc:
-                self._fail(Malformed(f"the response body could not be decoded: {exc}"))
-                return
-            if rest:
-                self._buffer.append(rest)
-                self._buffered += len(rest)
-            if decoder.cut_short:
-                self._fail(Malformed("the response body ends mid-stream"))
-                return
-        self._done = True
+        if decoder is None:
+            self._done = True
+        elif not decoder.backlog:
+            self._finish(decoder)
+        # else: the encoded rest is decoded as the reader takes it (take); it ends there.
         self._wake()  # (at once: the end may come from the connection's close, not a socket read)
 
-    def _decompressed(self, decoder: Decoder, data: bytes) -> bytes:
-        """``data`` decoded; b"" (the response failed) when the bytes do not decode."""
+    def _finish(self, decoder: Decoder) -> None:
+        """Every encoded byte was decoded: the decoder's last bytes, then the end (or the error
+        of a stream that does not end)."""
+        if self._error is not None:
+            return
         try:
-            return decoder.decompress(data)
+            rest = decoder.flush()
         except zlib.error as exc:
-            self._fail(Malformed(f"the response body could not be decoded: {exc}"))
-            return b""
+            self._error = Malformed(f"the response body could not be decoded: {exc}")
+            return
+        if rest:
+            self._buffer.append(rest)
+            self._buffered += len(rest)
+        if decoder.cut_short:
+            self._error = Malformed("the response body ends mid-stream")
+            return
+        self._done = True
 
     def _fail(self, exc: BaseException) -> None:
-        if self._error is None and not self._done:
+        """The connection failed: the body's error, unless every byte of it had arrived."""
+        if self._error is None and not self._received:
             self._error = exc
         self._wake()
 
     def _lost(self, exc: BaseException | None) -> None:
         """The connection closed: the end of a body delimited by it, or a broken one."""
-        if self._done:
+        if self._received:
             return
         if self._until_eof and exc is None:
             self._end()
@@ -356,27 +420,59 @@ def _expire(body: Body) -> None:
 
 
 class Decoder:
-    """gzip or zlib-wrapped deflate, or raw deflate (some servers send it as ``deflate``)."""
+    """gzip or zlib-wrapped deflate, or raw deflate (some servers send it as ``deflate``),
+    decoded a bounded piece at a time: what is fed waits, encoded, until :meth:`decode` is asked
+    for at most so many bytes (zlib's ``max_length``; the input left over is its
+    ``unconsumed_tail``). The inflated body is never held whole, whatever its ratio."""
 
     def __init__(self, wbits: int) -> None:
         self._wbits = wbits
         self._obj: zlib._Decompress | None = None
         self._head = b""
+        """The first byte, until a second one tells a zlib header from raw deflate."""
+        self._input: list[bytes] = []
+        """Encoded bytes not decoded yet, in order (the last decode's unconsumed tail first)."""
+        self._full = False
+        """The last decode stopped at its limit: zlib may hold more output without more input."""
 
-    def decompress(self, data: bytes) -> bytes:
+    def feed(self, data: bytes) -> None:
+        """Encoded bytes, decoded by the next :meth:`decode` calls (a list, not a concatenation:
+        a body of many small chunks must not cost a copy of the backlog per chunk)."""
+        if data:
+            self._input.append(data)
+
+    @property
+    def backlog(self) -> bool:
+        """Bytes fed are not decoded yet (or their output did not fit the last decode)."""
+        return bool(self._input) or self._full
+
+    def decode(self, limit: int) -> bytes:
+        """At most ``limit`` (> 0) decoded bytes of what was fed. Raises ``zlib.error``."""
+        pieces = self._input
+        if not pieces and not self._full:
+            return b""
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
         obj = self._obj
         if obj is None:
-            self._head += data
-            if len(self._head) < 2:
+            data = self._head + data
+            if len(data) < 2:
+                self._head = data
                 return b""  # too few bytes yet to tell a zlib header from raw deflate
-            data, self._head = self._head, b""
+            self._head = b""
             wbits = self._wbits
             if wbits == zlib.MAX_WBITS and not (data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0):
                 wbits = -zlib.MAX_WBITS  # no zlib header (RFC 1950 2.2): raw deflate
             obj = self._obj = zlib.decompressobj(wbits)
-        return obj.decompress(data)
+        decoded = obj.decompress(data, limit)
+        tail = obj.unconsumed_tail
+        if tail:
+            pieces.append(tail)
+        self._full = len(decoded) >= limit and not obj.eof
+        return decoded
 
     def flush(self) -> bytes:
+        """The last decoded bytes, once every byte fed was decoded (:attr:`backlog` is false)."""
         return b"" if self._obj is None else self._obj.flush()
 
     @property
@@ -438,8 +534,11 @@ class Connection:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
 
     def data_received(self, data: bytes) -> None:
-        if self.waiter is None and self.response is None:
-            self.abort()  # bytes nobody asked for: the connection cannot be trusted
+        response = self.response
+        if (self.waiter is None and response is None) or (response is not None and response._received):
+            # Bytes nobody asked for (on an idle connection, or after a complete response): the
+            # connection cannot be trusted, the next request would read them as its response.
+            self.abort()
             return
         self.received = True
         try:
@@ -475,6 +574,12 @@ class Connection:
 
     # -- httptools callbacks --------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.waiter is None:
+            # A response begins after the one asked for was complete, in the same socket read
+            # (whole or cut off: either way, read on, the next request would take it for its own).
+            self.abort()
+
     def on_status(self, status: bytes) -> None:
         self._reason += status.decode("latin-1")  # called once per piece of the line read
 
@@ -509,13 +614,13 @@ class Connection:
         response = self.response
         if response is not None:
             response._feed(body)
-            if response._buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            if not self.paused and response.behind and self.transport is not None:
                 self.paused = True
                 self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
         response = self.response
-        if response is not None and not response._done:
+        if response is not None and not response._received:
             response._end()
 
     # -- the pool's side -------------------------------------------------------------------------

@@ -8,7 +8,9 @@
 Enrichment stages fail open (:mod:`proxy.failopen`): an error while planning,
 observing or recording is logged and counted (``kvwarm_errors_total{stage}``) and
 the request proceeds with the client's original bytes. Only the upstream itself
-can fail a request. docs/ARCHITECTURE.md walks through this file.
+can fail a request: before its response or during it, that is counted as the upstream's
+(``stage="upstream"``) and logged as one WARNING line. docs/ARCHITECTURE.md walks through
+this file.
 
 Before the response's last byte only what it needs is done: the plan (its headers and
 bytes), the relay, and the turn's write to the store. After it (at the end of the event
@@ -41,8 +43,9 @@ from .core.pricing import PriceTable, cost_of
 from .core.transcript_md import Transcript
 from .errors import ProxyError
 from .failopen import FailOpen
+from .guard import shown_path
 from .metrics import ProxyMetrics
-from .relay import RelayOutcome, relay
+from .relay import Finish, RelayOutcome, relay
 from .report import Answer, BreakSink, Reporter, visibility_headers
 from .routing import Lease, Replica, Route, Router
 from .store.base import AsyncStore, StoreView
@@ -50,7 +53,7 @@ from .store.local import LocalStore
 from .tenancy import TenantRoots
 from .tokens import TokenCounter
 from .upstream import Upstream, forward_request_headers
-from .wire.base import Outgoing, Untouched, Wire
+from .wire.base import Observer, Outgoing, Untouched, Wire
 from .wire.chat import ChatWire
 from .wire.responses import ResponsesWire
 
@@ -91,7 +94,7 @@ class Pipeline:
         self.tokens = tokens
         self.reporter = Reporter(metrics, breaks)
         self.policy = settings.repair.policy()
-        self.tenants = TenantRoots(store.secret(), settings.store.tenant_header)
+        self.tenants = TenantRoots(store.secret, settings.store.tenant_header, shared=store.shared)
         self.memo = IdentityMemo()
         self.resent = PrefixMemo(self.memo)
         """Each tenant's recent bodies: a re-sent conversation is parsed only past what it shares."""
@@ -143,6 +146,8 @@ class Pipeline:
                 observer = wire.observer(lease.outgoing, lease.replica.traits, guard, success=answered)
 
                 async def finish(outcome: RelayOutcome) -> None:
+                    if outcome.upstream_error is not None:
+                        self.upstream_broke(request, outcome.upstream_error)
                     answer.client_gone = outcome.client_gone
                     answer.reply = observer.end(client_gone=outcome.client_gone)
                     answer.usage = observer.usage
@@ -153,7 +158,7 @@ class Pipeline:
                         guard.fail("routing", exc)
 
                 with lease:
-                    return await relay(request, lease.response, lease.sender, visibility_headers(plan), observer, finish)
+                    return await self.relay_lease(request, lease, visibility_headers(plan), observer, finish, answer)
             finally:
                 duration = time.perf_counter() - started
                 # After the response (the end of this loop iteration), before the client's next turn.
@@ -242,8 +247,43 @@ class Pipeline:
     async def passthrough(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         """A request no wire API understands: forwarded and relayed untouched, not observed."""
         lease = await self.send(request, self.router.route(None), lambda _: Outgoing(raw, False), Answer(), time.perf_counter())
+
+        async def finish(outcome: RelayOutcome) -> None:
+            if outcome.upstream_error is not None:
+                self.upstream_broke(request, outcome.upstream_error)
+            await lease.done(outcome)
+
         with lease:
-            return await relay(request, lease.response, lease.sender, {}, Untouched(), lease.done)
+            return await self.relay_lease(request, lease, {}, Untouched(), finish)
+
+    async def relay_lease(
+        self,
+        request: web.Request,
+        lease: Lease[Outgoing],
+        headers: dict[str, str],
+        observer: Observer,
+        finish: Finish,
+        answer: Answer | None = None,
+    ) -> web.StreamResponse:
+        """The lease's response to the client through ``observer``. An upstream that fails before
+        a byte of it was sent (a body read whole, cut short) is counted here as the upstream's
+        failure, and the request's status is an error (no response came back whole); the edge
+        answers 502 and logs it."""
+        try:
+            return await relay(request, lease.response, lease.sender, headers, observer, finish)
+        except ProxyError:
+            self.metrics.error("upstream")
+            if answer is not None:
+                answer.status = None
+            raise
+
+    def upstream_broke(self, request: web.Request, error: ProxyError) -> None:
+        """The upstream failed after its response began (cut short, stalled): the client's
+        response breaks as the upstream's did. The failure is the upstream's: counted as one
+        before the response is (``kvwarm_errors_total{stage="upstream"}``) and logged as one
+        WARNING line without a traceback, never as an error of kvwarm's own stages."""
+        self.metrics.error("upstream")
+        log.warning("%s %s: the response was cut: %s", request.method, shown_path(request), error)
 
     async def record(self, plan: TurnPlan | None, model: str, answer: Answer, guard: FailOpen, answered: bool) -> None:
         """Price the turn and store it (``answered``: with a 2xx status), before the response's

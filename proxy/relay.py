@@ -10,7 +10,12 @@ Plain bodies: one of known, bounded length is read whole, observed, and sent aft
 ``finish`` with its length. Any other (unknown length, compressed, or large) is
 relayed chunk by chunk as it arrives, the observer fed on the side (it keeps a
 bounded buffer); the last chunk is held until ``finish`` ran. Memory stays bounded
-whatever the size of the response.
+whatever the size of the response, a compressed one's decoded size included: each read
+decodes at most :data:`~proxy.http1.HIGH_WATER` bytes, the rest as the relay reads on.
+
+An upstream that fails mid-response ends the relay with ``RelayOutcome.upstream_error``
+(the client's response breaks); one that fails before a byte was sent raises its
+:class:`~proxy.errors.ProxyError`. Either is the upstream's failure, which the caller counts.
 """
 
 from __future__ import annotations
@@ -24,17 +29,21 @@ import aiohttp
 from aiohttp import hdrs, web
 
 from .core.sse import SSEDecoder
-from .errors import ProxyError
+from .errors import ProxyError, UpstreamUnreachable
 from .transport import Response
 from .upstream import UpstreamSender, forward_response_headers
 from .wire.base import Hide, Observer, Replace
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WHOLE_BODY_LIMIT", "RelayOutcome", "relay"]
+__all__ = ["EVENT_LIMIT", "WHOLE_BODY_LIMIT", "RelayOutcome", "relay"]
 
 WHOLE_BODY_LIMIT = 1024 * 1024
 """Plain bodies up to this many bytes (with a known length, uncompressed) are read whole."""
+EVENT_LIMIT = 32 * 1024 * 1024
+"""Bytes an event stream may send without completing an event (an event is written whole, so
+they are held): past it, the stream ends as the upstream's failure instead of being held whole
+(one endless event, such as a compressed stream of zeros that inflates a thousandfold)."""
 
 
 @dataclass(slots=True)
@@ -88,6 +97,7 @@ async def _relay_events(
     outcome = RelayOutcome()
     decoder = SSEDecoder()
     held: list[bytes] = []
+    unframed = 0  # bytes fed since a read last completed an event
     await out.prepare(request)
     try:
         while True:
@@ -99,6 +109,10 @@ async def _relay_events(
                     outcome.upstream_error = exc
                     break
             events = decoder.feed(chunk) if chunk else decoder.flush()
+            unframed = 0 if events else unframed + len(chunk)
+            if unframed > EVENT_LIMIT:
+                outcome.upstream_error = UpstreamUnreachable(f"the upstream's event stream sent {unframed} bytes without an event's end")
+                break
             if events:
                 keep = []
                 for event in events:

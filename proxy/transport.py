@@ -11,15 +11,36 @@ gzip/deflate decoded here, flow control on the socket, a bounded pool. All but t
 (the connection's protocol, the response and its reads, the request head) is compiled, in
 :mod:`proxy.http1`; this module keeps the pool, connecting and sending, which wait.
 
+Connections are pooled by origin and :class:`~proxy.egress.Route` (directly, or through which
+egress proxy: a ``CONNECT`` tunnel for https origins, absolute-form targets for http ones).
+
 Timers are armed only while something waits (a connection, the response headers, a body
-chunk that has not arrived): a response read whole from one socket read arms none.
+chunk that has not arrived), and one per pool while it holds idle connections (which close
+after the route's ``idle_timeout``).
+
+**A request is written once.** Nothing here sends a request again once a byte of it was
+written: the upstream may have read it whole and begun to generate (RFC 9110 9.2.2, RFC 9112
+9.3.1: a client retries on its own only what it knows to be idempotent or unprocessed, and a
+POST to a model is neither). What it does is refuse a connection before writing to it. A
+pooled connection is taken only when it is open, within its idle timeout, and its socket is
+not readable (a zero-timeout poll, as urllib3's ``is_connection_dropped``): the event loop
+reads an idle connection all the time, so its socket is readable only when something arrived
+since the loop last looked -- the upstream's FIN or RST racing the reuse, or bytes nobody
+asked for (rarely a harmless TLS record: then a new connection costs a handshake). A
+connection found closed just before the request is written is replaced too. Whatever fails
+once the first byte was written fails the request.
 
 Errors (converted to kvwarm's own in :mod:`proxy.upstream`):
 
 - :class:`ConnectFailed` -- no connection could be opened (refused, no route, DNS, TLS,
-  connect timeout): not one byte of the request left.
-- :class:`Disconnected` -- the connection closed before the response was complete;
-  ``before_response`` says whether not one byte of a response had arrived.
+  connect timeout, the proxy unreachable), or a new one closed before the request was
+  written: not one byte of the request left.
+- :class:`ProxyRefused` (a :class:`ConnectFailed`) -- the egress proxy answered ``CONNECT``
+  with a status other than 2xx, or answered a plain-http request with 407; ``status`` is its
+  status. Not one byte of the request reached the upstream.
+- :class:`Disconnected` -- the connection closed after the request was written, before the
+  response was complete; ``before_response`` says whether not one byte of a response had
+  arrived. Never retried: the upstream may have processed the request.
 - :class:`Malformed` -- the upstream's bytes are not HTTP/1.1.
 - :class:`TimeoutError` -- a wait took longer than its bound.
 """
@@ -28,6 +49,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
+import select
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,6 +58,7 @@ from typing import cast
 
 from yarl import URL
 
+from .egress import DIRECT, ProxyRefused, Route, open_tunnel
 from .http1 import (
     HIGH_WATER,
     Body,
@@ -47,8 +71,8 @@ from .http1 import (
 )
 
 __all__ = [
-    "HIGH_WATER", "ConnectFailed", "Disconnected", "Malformed", "Origin", "Pool", "Response", "Transport",
-    "TransportError",
+    "DIRECT", "HIGH_WATER", "ConnectFailed", "Disconnected", "Malformed", "Origin", "Pool", "ProxyRefused", "Response",
+    "Route", "Transport", "TransportError",
 ]
 
 IDLE_CONNECTIONS = 64
@@ -81,22 +105,54 @@ Response = Body
 
 
 class Pool:
-    """The connections to one origin (:meth:`Transport.pool`): the idle ones, most recently used first."""
+    """The connections to one origin on one route (:meth:`Transport.pool`): the idle ones in
+    the order they went idle, each with the loop time it did."""
 
-    def __init__(self, transport: Transport, origin: Origin) -> None:
+    def __init__(self, transport: Transport, origin: Origin, route: Route = DIRECT) -> None:
         self.transport = transport
         self.origin = origin
+        self.route = route
         self.host = origin.host_header
         """The ``Host`` header of every request to the origin."""
         self.loop = transport.loop
-        self._idle: list[Connection] = []
+        proxy = route.proxy
+        self.forwarded = proxy is not None and not origin.tls
+        """Requests go to the proxy with absolute-form targets (a plain-http origin behind a proxy)."""
+        self.absolute = f"http://{self.host}" if self.forwarded else ""
+        """What precedes an origin-form target to make it absolute-form."""
+        self.proxy_headers: tuple[tuple[str, str], ...] = (
+            (("Proxy-Authorization", proxy.authorization),) if self.forwarded and proxy is not None and proxy.authorization else ()
+        )
+        self.where = f"{origin.host}:{origin.port}" + (f" through the proxy {proxy.label}" if proxy is not None else "")
+        """How errors name the connection's destination (never the proxy's credentials)."""
+        self._idle: dict[Connection, float] = {}
+        self._expiry: asyncio.TimerHandle | None = None
+        """Closes the idle connections past their timeout; armed while there are some."""
         self.open: set[Connection] = set()
 
     def take(self) -> Connection | None:
-        while self._idle:
-            conn = self._idle.pop()
-            if not conn.closed:
-                return conn
+        """The most recently idle connection that may carry a request: open, within its idle
+        timeout, and not readable (see the module's docstring). The others are closed."""
+        idle = self._idle
+        if not idle:
+            return None
+        oldest = self.loop.time() - self.route.idle_timeout
+        while idle:
+            conn, since = idle.popitem()
+            if conn.closed:
+                continue
+            if since <= oldest or _dropped(conn):
+                conn.abort()
+                self.forget(conn)
+                continue
+            return conn
+        return None
+
+    def oldest_idle(self) -> Connection | None:
+        """The least recently used idle connection, out of the idle ones (to be closed)."""
+        for conn in self._idle:
+            del self._idle[conn]
+            return conn
         return None
 
     def idle(self, conn: Connection) -> None:
@@ -104,23 +160,60 @@ class Pool:
             conn.abort()
             self.forget(conn)
             return
-        self._idle.append(conn)
+        now = self.loop.time()
+        self._idle[conn] = now
+        if self._expiry is None:
+            self._expiry = self.loop.call_at(now + self.route.idle_timeout, self._expire)
         self.transport.freed()
+
+    def _expire(self) -> None:
+        """Close the connections idle for longer than the route's timeout; wake again for the
+        next one to expire."""
+        self._expiry = None
+        timeout = self.route.idle_timeout
+        now = self.loop.time()
+        while self._idle:
+            conn, since = next(iter(self._idle.items()))  # the oldest
+            if since + timeout > now:
+                self._expiry = self.loop.call_at(since + timeout, self._expire)
+                return
+            del self._idle[conn]
+            conn.abort()
+            self.forget(conn)
 
     def forget(self, conn: Connection) -> None:
         if conn in self.open:
             self.open.discard(conn)
             self.transport.freed(closed=True)
-        if conn in self._idle:
-            self._idle.remove(conn)
+        self._idle.pop(conn, None)
 
     def close(self) -> list[asyncio.Future[None]]:
         """Close every connection; the futures resolve as they are closed."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         closing = list(self.open)
         for conn in closing:
             conn.abort()
         self._idle.clear()
         return [conn.lost for conn in closing if conn.transport is not None]
+
+
+def _dropped(conn: Connection) -> bool:
+    """An idle connection that is closing or whose socket is readable: at EOF, reset, or
+    holding bytes nobody asked for. Either way it cannot carry a request."""
+    transport = conn.transport
+    if transport is None or transport.is_closing():
+        return True
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False  # not a socket (nothing to ask): the event loop's view is all there is
+    fd = sock.fileno()
+    if fd < 0:
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class Transport:
@@ -132,16 +225,17 @@ class Transport:
         self.limit = limit
         self.connect_timeout = connect_timeout
         self._ssl = ssl_context
-        self._pools: dict[Origin, Pool] = {}
+        self._pools: dict[tuple[Origin, Route], Pool] = {}
         self._open = 0
         self._busy = 0
         self._queue: collections.deque[asyncio.Future[None]] = collections.deque()
 
-    def pool(self, origin: Origin) -> Pool:
-        """The connections to ``origin``: what :meth:`request` sends on."""
-        pool = self._pools.get(origin)
+    def pool(self, origin: Origin, route: Route = DIRECT) -> Pool:
+        """The connections to ``origin`` on ``route``: what :meth:`request` sends on."""
+        key = (origin, route)
+        pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[origin] = Pool(self, origin)
+            pool = self._pools[key] = Pool(self, origin, route)
         return pool
 
     async def request(
@@ -156,35 +250,57 @@ class Transport:
         within: float,
     ) -> Response:
         """Send one request, return its response once its headers arrived (at most ``within``
-        seconds after it was sent; connecting has its own bound).
-        ``fresh``: on a new connection, not an idle one."""
+        seconds after it was sent; connecting has its own bound). Written once at most (see
+        the module's docstring). ``fresh``: on a new connection, not an idle one."""
+        if pool.forwarded:
+            target = pool.absolute + target
+            headers = itertools.chain(headers, pool.proxy_headers)
         head = request_head(method, target, pool.host, headers, body)  # refused before a connection is taken
-        conn = None if fresh else pool.take()
-        if conn is None:
-            conn = await self._connect(pool, fresh)
-        timer: asyncio.TimerHandle | None = None
+        conn, waiter = await self._send(pool, head, body, method == "HEAD", fresh)
+        timer = self.loop.call_later(within, _expire_response, waiter)
         try:
-            waiter = conn.send(head, body, method == "HEAD")
-            timer = self.loop.call_later(within, _expire_response, waiter)
-            return await waiter
+            response = await waiter
         except BaseException:
             conn.finished(False)
             raise
         finally:
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
+        if pool.forwarded and response.status == 407:  # the proxy's own answer: it forwarded nothing
+            response.close()
+            raise ProxyRefused(f"{pool.where}: the proxy answered 407 Proxy Authentication Required", status=407)
+        return response
 
-    async def _connect(self, pool: Pool, fresh: bool) -> Connection:
+    async def _send(self, pool: Pool, head: bytes, body: bytes, no_body: bool, fresh: bool) -> tuple[Connection, asyncio.Future[Body]]:
+        """Write the request on a connection: an idle one (:meth:`Pool.take`) or a new one. A
+        connection found closed before a byte was written is replaced when it was pooled; a
+        new one closed that soon means the upstream refused it (:class:`ConnectFailed`)."""
+        while True:
+            conn = None if fresh else pool.take()
+            opened = conn is None
+            if conn is None:
+                conn, opened = await self._connect(pool, fresh)
+            if not conn.closed:
+                try:
+                    return conn, conn.send(head, body, no_body)
+                except Disconnected:
+                    pass  # closed under us, and said so before writing (uvloop)
+                except BaseException:
+                    conn.finished(False)
+                    raise
+            conn.finished(False)
+            if opened:
+                raise ConnectFailed(f"{pool.where} closed the new connection before the request was written")
+
+    async def _connect(self, pool: Pool, fresh: bool) -> tuple[Connection, bool]:
         """A new connection to ``pool``'s origin once fewer than ``limit`` are open (an idle one
         of another origin is closed to make room); an idle one of this origin freed meanwhile
-        is taken instead, unless ``fresh``."""
-        origin = pool.origin
+        is taken instead, unless ``fresh``. Returns it and whether it is new."""
         try:
             async with asyncio.timeout(self.connect_timeout):
                 while True:
                     reused = None if fresh else pool.take()
                     if reused is not None:
-                        return reused
+                        return reused, False
                     if self._open < self.limit:
                         break
                     idle = self._any_idle()
@@ -192,47 +308,71 @@ class Transport:
                         idle.abort()
                         idle.pool.forget(idle)
                         continue
-                    ticket = self.loop.create_future()
-                    self._queue.append(ticket)
-                    try:
-                        await ticket
-                    except BaseException:
-                        if ticket.done() and not ticket.cancelled():
-                            self.freed()  # granted but not taken: the next in line gets the slot
-                        raise
-                    finally:
-                        if ticket in self._queue:
-                            self._queue.remove(ticket)
+                    await self._wait_for_slot()
                 self._open += 1
                 conn = Connection(pool)
                 pool.open.add(conn)
                 try:
-                    await self.loop.create_connection(
-                        lambda: cast(asyncio.Protocol, conn),  # a protocol by its methods (compiled)
-                        origin.host,
-                        origin.port,
-                        ssl=self._ssl_for(origin),
-                        server_hostname=origin.host if origin.tls else None,
-                    )
+                    await self._open_connection(pool, conn)
                 except BaseException:
+                    conn.abort()
                     pool.forget(conn)
                     raise
-                return conn
+                return conn, True
         except TimeoutError as exc:
-            raise ConnectFailed(f"no connection to {origin.host}:{origin.port} within {self.connect_timeout:g} s") from exc
+            raise ConnectFailed(f"no connection to {pool.where} within {self.connect_timeout:g} s") from exc
+        except ConnectFailed:
+            raise
         except (OSError, ssl.SSLError) as exc:
-            raise ConnectFailed(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
+            raise ConnectFailed(f"cannot connect to {pool.where}: {exc}") from exc
 
-    def _ssl_for(self, origin: Origin) -> ssl.SSLContext | None:
-        if not origin.tls:
-            return None
+    async def _wait_for_slot(self) -> None:
+        ticket = self.loop.create_future()
+        self._queue.append(ticket)
+        try:
+            await ticket
+        except BaseException:
+            if ticket.done() and not ticket.cancelled():
+                self.freed()  # granted but not taken: the next in line gets the slot
+            raise
+        finally:
+            if ticket in self._queue:
+                self._queue.remove(ticket)
+
+    async def _open_connection(self, pool: Pool, conn: Connection) -> None:
+        """Connect ``conn``: to the origin, or to the proxy (for http), or through its tunnel
+        (for https: TLS to the origin inside it)."""
+        origin, proxy = pool.origin, pool.route.proxy
+        protocol = cast(asyncio.Protocol, conn)  # a protocol by its methods (compiled)
+        if proxy is None:
+            tls = self._tls_for(pool) if origin.tls else None
+            await self.loop.create_connection(
+                lambda: protocol, origin.host, origin.port, ssl=tls, server_hostname=origin.host if tls is not None else None
+            )
+        elif not origin.tls:
+            await self.loop.create_connection(lambda: protocol, proxy.host, proxy.port)
+        else:
+            tunnel = await open_tunnel(self.loop, proxy, origin.host, origin.port)
+            try:
+                secured = await self.loop.start_tls(tunnel, protocol, self._tls_for(pool), server_hostname=origin.host)
+            except BaseException:
+                tunnel.close()
+                raise
+            if secured is None:
+                raise ConnectFailed(f"TLS to {pool.where} could not start")
+            conn.connection_made(secured)  # (start_tls leaves that call to its caller)
+
+    def _tls_for(self, pool: Pool) -> ssl.SSLContext:
+        """The route's TLS context, else the transport's (by default, the system's trust)."""
+        if pool.route.tls is not None:
+            return pool.route.tls
         if self._ssl is None:
             self._ssl = ssl.create_default_context()
         return self._ssl
 
     def _any_idle(self) -> Connection | None:
         for pool in self._pools.values():
-            conn = pool.take()
+            conn = pool.oldest_idle()
             if conn is not None:
                 return conn
         return None

@@ -3,10 +3,16 @@
 One :class:`~proxy.transport.Transport` per app (created in the app's ``cleanup_ctx``; why
 not aiohttp's client: see that module), shared by every replica: :class:`Upstream` is the
 pool of senders, one :class:`ReplicaSender` per ``upstream.base_url`` (which one a request
-takes is :mod:`proxy.routing`'s choice). Transport errors become :class:`~proxy.errors.UpstreamUnreachable` (502) or
+takes is :mod:`proxy.routing`'s choice), each on the route :mod:`proxy.egress` chose for its
+URL (directly or through an egress proxy, the TLS context, the idle timeout). Transport errors
+become :class:`~proxy.errors.UpstreamUnreachable` (502) or
 :class:`~proxy.errors.UpstreamTimeout` (504) here, once; :func:`never_sent` tells the
 router which of them left the replica without a byte of the request (so another replica
 may take it).
+
+A request is sent once: a connection that closes after the request was written fails it with
+a 502, never a second copy (the upstream may have read it and be generating; see
+:mod:`proxy.transport`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Protocol
 from yarl import URL
 
 from .config import UpstreamSettings
+from .egress import Egress
 from .errors import UpstreamTimeout, UpstreamUnreachable
 from .http1 import forward_request_headers, forward_response_headers
 from .transport import (
@@ -39,7 +46,8 @@ log = logging.getLogger(__name__)
 
 def never_sent(exc: BaseException) -> bool:
     """``exc`` (raised by :meth:`ReplicaSender.send`) left the upstream without a byte of the
-    request: a refused or unreachable address, a connect timeout. Another replica may take it."""
+    request: a refused or unreachable address, a connect timeout, a proxy that refused the
+    tunnel. Another replica may take it."""
     return isinstance(exc.__cause__, ConnectFailed)
 
 
@@ -60,19 +68,23 @@ class Upstream:
     """The pool of senders: one :class:`ReplicaSender` per ``settings.base_url``, one transport."""
 
     def __init__(self, transport: Transport, settings: UpstreamSettings) -> None:
+        egress = Egress.of(settings)
         self.senders: tuple[ReplicaSender, ...] = tuple(
-            ReplicaSender(transport, settings, url) for url in settings.base_url
+            ReplicaSender(transport, settings, url, egress) for url in settings.base_url
         )
 
 
 class ReplicaSender:
     """Sends requests to one base URL over the app's pooled transport."""
 
-    def __init__(self, transport: Transport, settings: UpstreamSettings, base_url: str) -> None:
+    def __init__(self, transport: Transport, settings: UpstreamSettings, base_url: str, egress: Egress | None = None) -> None:
         self._transport = transport
         self._settings = settings
         self._base = URL(base_url.rstrip("/"))
-        self._pool = transport.pool(Origin.of(self._base))
+        route = (egress or Egress.of(settings)).route(self._base)
+        if route.proxy is not None:
+            log.info("upstream %s: through the proxy %s", self._base.origin(), route.proxy.label)
+        self._pool = transport.pool(Origin.of(self._base), route)
         self._path = self._base.raw_path.rstrip("/")
         # first_byte_timeout bounds the wait for the response headers only; pauses inside a body
         # are idle_timeout's (read_chunk); total_timeout bounds both, from the request's start.
@@ -98,33 +110,31 @@ class ReplicaSender:
     ) -> Response:
         """Send and wait for the response headers; the body is read by the caller.
 
-        A pooled connection the upstream closed while idle (llama.cpp and uvicorn-based servers
-        such as vLLM close keep-alive connections after 5 s) fails with a disconnect before any
-        response byte: the request is sent once more, on a fresh connection.
+        Sent once: a connection that closes after the request was written (before or during
+        the response) is a 502, not a second copy. A pooled connection the upstream closed
+        while idle is never written to (the transport checks it first and opens another).
         """
         target = self.target_for(path, query)
         started = self._transport.loop.time()
-        for attempt in range(2):
-            try:
-                response = await self._transport.request(
-                    self._pool, method, target, headers.items(), body, fresh=attempt > 0, within=self._first_byte
-                )
-            except TimeoutError as exc:
-                raise UpstreamTimeout("the upstream did not answer in time") from exc
-            except ConnectFailed as exc:
-                if isinstance(exc.__cause__, TimeoutError):
-                    raise UpstreamTimeout(f"the upstream did not answer in time: {exc}") from exc
-                raise UpstreamUnreachable(f"the upstream could not be reached: {exc}") from exc
-            except Disconnected as exc:
-                if attempt == 0 and exc.before_response:
-                    log.debug("upstream closed a pooled connection; retrying once")
-                    continue
-                raise UpstreamUnreachable(f"the upstream could not be reached: {exc}") from exc
-            except (Malformed, ValueError) as exc:
-                raise UpstreamUnreachable(f"the upstream could not be reached: {exc}") from exc
-            response.deadline = started + self._settings.total_timeout
-            return response
-        raise AssertionError("unreachable")
+        try:
+            response = await self._transport.request(self._pool, method, target, headers.items(), body, within=self._first_byte)
+        except TimeoutError as exc:
+            raise UpstreamTimeout("the upstream did not answer in time") from exc
+        except ConnectFailed as exc:
+            if isinstance(exc.__cause__, TimeoutError):
+                raise UpstreamTimeout(f"the upstream did not answer in time: {exc}") from exc
+            raise UpstreamUnreachable(f"the upstream could not be reached: {exc}") from exc
+        except Disconnected as exc:
+            if exc.before_response:
+                raise UpstreamUnreachable(
+                    f"the upstream closed the connection before answering; the request was not sent again, "
+                    f"since the upstream may have processed it ({exc})"
+                ) from exc
+            raise UpstreamUnreachable(f"the upstream could not be reached: {exc}") from exc
+        except (Malformed, ValueError) as exc:
+            raise UpstreamUnreachable(f"the upstream could not be reached: {exc}") from exc
+        response.deadline = started + self._settings.total_timeout
+        return response
 
     async def read_chunk(self, response: Response) -> bytes:
         """The next body chunk as it arrives (b"" at the end), within the idle timeout."""

@@ -46,6 +46,7 @@ __all__ = [
     "Untouched",
     "Verdict",
     "Wire",
+    "body_json",
     "json_post",
 ]
 
@@ -178,6 +179,16 @@ class BodyBuffer:
         """The whole body (None when there was none, or it overflowed); the buffer is emptied."""
         chunks, self._chunks = self._chunks, None
         return b"".join(chunks) if chunks else None
+
+
+def body_json(data: bytes) -> Any:
+    """A plain response body, parsed; None when it is not JSON: a body the upstream cut short
+    (the relay counts that as the upstream's failure) or never JSON. Its usage and reply are then
+    unknown, as past :data:`BODY_LIMIT`: no error of kvwarm's own."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
 
 
 def json_post(method: str, path: str, suffix: str, raw: bytes) -> dict[str, Any] | None:

@@ -34,7 +34,7 @@ from ..core.splice import Replace as SetValue
 from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
 from ..traits import UpstreamTraits
-from .base import HIDE, KEEP, BodyBuffer, Outgoing, Replace, Verdict, json_post
+from .base import HIDE, KEEP, BodyBuffer, Outgoing, Replace, Verdict, body_json, json_post
 
 __all__ = ["DONE", "ChatObserver", "ChatWire", "Outgoing", "without_null_usage"]
 
@@ -168,7 +168,7 @@ class ChatObserver:
         data = self._body.take()
         if data is not None:
             try:
-                payload = orjson.loads(data)
+                payload = body_json(data)
                 if type(payload) is dict:
                     self._read(payload)
                     reply = reply_from_body(payload)

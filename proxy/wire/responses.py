@@ -72,7 +72,7 @@ from ..core.splice import Edit, Refusal, Reorder, Replace, try_splice
 from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage
 from ..traits import UpstreamTraits
-from .base import KEEP, BodyBuffer, Outgoing, Verdict, json_post
+from .base import KEEP, BodyBuffer, Outgoing, Verdict, body_json, json_post
 
 __all__ = ["ResponsesObserver", "ResponsesWire", "item_edits", "items_view"]
 
@@ -476,7 +476,7 @@ class ResponsesObserver:
         data = self._body.take()
         with self._guard("usage"):
             if data is not None:
-                payload = orjson.loads(data)
+                payload = body_json(data)
                 if type(payload) is dict:
                     self.usage = extract_usage(payload)
                     got = payload.get("output")

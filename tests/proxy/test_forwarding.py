@@ -249,7 +249,8 @@ async def test_llamacpp_timings_stop_usage_injection(make_proxy: ProxyFactory, a
 
 class KeepAliveCloser:
     """A raw HTTP/1.1 upstream: answers the first request of a connection, then reads the next
-    one and hangs up without answering (an idle keep-alive close racing a reused connection)."""
+    one and hangs up without answering (a crash mid-generation, or a keep-alive close racing
+    the request)."""
 
     def __init__(self, always_close: bool = False) -> None:
         self.always_close = always_close
@@ -274,28 +275,33 @@ class KeepAliveCloser:
         writer.close()
 
 
-async def test_a_pooled_connection_closed_by_the_upstream_is_retried_once(make_proxy: ProxyFactory, unused_tcp_port: int) -> None:
+async def test_a_request_the_upstream_read_on_a_reused_connection_and_dropped_is_not_sent_again(
+    make_proxy: ProxyFactory, unused_tcp_port: int
+) -> None:
+    """The upstream may have processed it: a 502, never a second copy
+    (tests/reliability/test_no_double_send.py)."""
     upstream = KeepAliveCloser()
     server = await asyncio.start_server(upstream.handle, "127.0.0.1", unused_tcp_port)
     try:
         proxy = await make_proxy(f"http://127.0.0.1:{unused_tcp_port}/v1")
-        for _ in range(2):
-            status, _, body = await post(proxy, "/v1/embeddings", b'{"input":"x"}')
-            assert (status, orjson.loads(body)) == (200, {"ok": True})
-        assert upstream.received == 3  # the second request went out twice: dead connection, then fresh
+        status, _, body = await post(proxy, "/v1/embeddings", b'{"input":"x"}')
+        assert (status, orjson.loads(body)) == (200, {"ok": True})
+        status, _, body = await post(proxy, "/v1/embeddings", b'{"input":"x"}')
+        assert status == 502 and orjson.loads(body)["error"]["code"] == "upstream_unreachable"
+        assert upstream.received == 2  # each request once
     finally:
         server.close()
         await server.wait_closed()
 
 
-async def test_an_upstream_that_always_hangs_up_is_502_after_one_retry(make_proxy: ProxyFactory, unused_tcp_port: int) -> None:
+async def test_an_upstream_that_always_hangs_up_is_502_after_one_copy(make_proxy: ProxyFactory, unused_tcp_port: int) -> None:
     upstream = KeepAliveCloser(always_close=True)
     server = await asyncio.start_server(upstream.handle, "127.0.0.1", unused_tcp_port)
     try:
         proxy = await make_proxy(f"http://127.0.0.1:{unused_tcp_port}/v1")
         status, _, body = await post(proxy, "/v1/embeddings", b'{"input":"x"}')
         assert status == 502 and orjson.loads(body)["error"]["code"] == "upstream_unreachable"
-        assert upstream.received == 2
+        assert upstream.received == 1
     finally:
         server.close()
         await server.wait_closed()

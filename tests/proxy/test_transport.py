@@ -1,6 +1,6 @@
 """kvwarm's HTTP/1.1 client (``proxy.transport``) on real sockets, against a raw upstream that
 writes exactly the bytes each test scripts: how response bodies are framed and decoded, which
-connections are reused, the pool limit, flow control, malformed responses, timeouts, the
+connections are reused (and for how long idle), the pool limit, flow control, malformed responses, timeouts, the
 request head it writes, and closing."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from proxy.transport import (
     Malformed,
     Origin,
     Response,
+    Route,
     Transport,
 )
 
@@ -722,6 +723,50 @@ async def test_response_close_closes_its_connection(serve: Serve, transport: Tra
     assert await read_all(response) == b"whole"
     response.close()
     await next_on_a_new_connection(transport, upstream, b"whole")
+
+
+async def test_an_idle_connection_is_closed_after_the_idle_timeout(serve: Serve, transport: Transport) -> None:
+    """Idle past its route's ``idle_timeout``, a connection is closed by kvwarm itself (no
+    request needed to notice), and the next request opens a new one."""
+    upstream = await serve(answer(message(b"ok")))
+    pool = transport.pool(upstream.origin, Route(idle_timeout=SHORT))
+    response = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+    assert await read_all(response) == b"ok"
+    response.release()
+    assert len(pool.open) == 1 and upstream.eofs == 0
+    await upstream.until_eofs(1)  # the timer closed it
+    assert not pool.open
+    response = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+    assert await read_all(response) == b"ok"
+    response.release()
+    assert upstream.accepted == 2
+
+
+async def test_an_expired_idle_connection_is_never_reused_even_before_its_timer_ran(serve: Serve, transport: Transport) -> None:
+    """The event loop was busy past the idle timeout (its timer has not run): the connection
+    is still not taken."""
+    upstream = await serve(answer(message(b"ok")))
+    pool = transport.pool(upstream.origin, Route(idle_timeout=SHORT))
+    for _ in range(2):
+        response = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+        assert await read_all(response) == b"ok"
+        response.release()
+        time.sleep(SHORT * 1.5)  # noqa: ASYNC251 - blocks the loop on purpose: no timer runs
+    assert upstream.accepted == 2
+    await upstream.until_eofs(2)
+
+
+async def test_idle_connections_within_the_timeout_are_reused_most_recent_first(serve: Serve, transport: Transport) -> None:
+    upstream = await serve(answer(message(b"ok")))
+    pool = transport.pool(upstream.origin, Route(idle_timeout=WAIT))
+    first = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+    second = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+    for response in (first, second):
+        assert await read_all(response) == b"ok"
+        response.release()
+    response = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+    response.release()
+    assert [r.connection for r in upstream.requests] == [1, 2, 2]
 
 
 # -- the pool limit -----------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The pooled upstream client on real sockets: where requests go, retries, timeouts, error
-conversion, and which headers travel in each direction."""
+"""The pooled upstream client on real sockets: where requests go, that nothing is sent twice,
+timeouts, error conversion, and which headers travel in each direction."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ async def test_a_query_reaches_the_upstream_with_its_meaning(
     assert seen == [meaning]
 
 
-# -- pooled connections and retries --------------------------------------------------------
+# -- pooled connections: sent once --------------------------------------------------------
 
 
 class KeepAliveCloser:
@@ -182,22 +182,25 @@ async def raw_server() -> AsyncIterator[Callable[[Any], Awaitable[str]]]:
         await server.wait_closed()
 
 
-async def test_a_pooled_connection_closed_while_idle_is_retried_once(
+async def test_a_reused_connection_the_upstream_read_from_and_closed_is_unreachable_and_not_retried(
     raw_server: Callable[[Any], Awaitable[str]], make_upstream: MakeUpstream
 ) -> None:
+    """The upstream read the second request (on the reused connection) and hung up: it may
+    have processed it, so it is not sent again (tests/reliability/test_no_double_send.py)."""
     closer = KeepAliveCloser()
     upstream = make_upstream(await raw_server(closer.handle))
-    for _ in range(2):
-        response = await upstream.send("POST", "/v1/embeddings", "", {}, b'{"input":"x"}')
-        assert response.status == 200
-        assert await upstream.read_chunk(response) == b'{"ok":true}'
-        assert await upstream.read_chunk(response) == b""
-        response.release()  # back to the pool: the second request reuses this connection
-    # The second request went out twice: on the dead pooled connection, then on a fresh one.
-    assert (closer.received, closer.connections) == (3, 2)
+    response = await upstream.send("POST", "/v1/embeddings", "", {}, b'{"input":"x"}')
+    assert await upstream.read_chunk(response) == b'{"ok":true}'
+    assert await upstream.read_chunk(response) == b""
+    response.release()  # back to the pool: the second request reuses this connection
+    with pytest.raises(UpstreamUnreachable) as caught:
+        await upstream.send("POST", "/v1/embeddings", "", {}, b'{"input":"x"}')
+    assert isinstance(caught.value.__cause__, Disconnected) and caught.value.__cause__.before_response
+    assert not never_sent(caught.value)
+    assert (closer.received, closer.connections) == (2, 1)
 
 
-async def test_an_upstream_that_always_hangs_up_is_unreachable_after_one_retry(
+async def test_an_upstream_that_always_hangs_up_is_unreachable_after_one_copy(
     raw_server: Callable[[Any], Awaitable[str]], make_upstream: MakeUpstream
 ) -> None:
     closer = KeepAliveCloser(always_close=True)
@@ -206,7 +209,8 @@ async def test_an_upstream_that_always_hangs_up_is_unreachable_after_one_retry(
         await upstream.send("POST", "/v1/embeddings", "", {}, b'{"input":"x"}')
     assert isinstance(caught.value.__cause__, Disconnected)
     assert caught.value.__cause__.before_response
-    assert (closer.received, closer.connections) == (2, 2)
+    assert caught.value.status == 502
+    assert (closer.received, closer.connections) == (1, 1)
 
 
 async def test_a_refused_connection_is_unreachable(
