@@ -32,6 +32,11 @@ Loopback means ``request.remote`` is a loopback address (127.0.0.0/8, ``::1``,
 behalf of remote clients, and its requests must not pass as the operator's. A
 loopback client adding such a header only lowers its own rights.
 
+A store that cannot answer (a shared store out of reach, or one whose secret is not known
+yet, so that no tenant can be named) makes the sessions routes answer 503
+``store_unavailable``, an OpenAI-style JSON error: an empty list would read as "no
+sessions". Requests are still served meanwhile, unrepaired. The operator's message says why.
+
 Caveat of rule 2: a tenant whose key is guessable (``EMPTY`` with a local engine
 that checks no keys) can be read by whoever guesses it, once the API is opened
 beyond loopback; keep such deployments on loopback or behind the admin token only.
@@ -41,7 +46,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import hdrs, web
@@ -51,7 +56,13 @@ from .appkeys import PIPELINE, SETTINGS, STORE
 from .config import Settings
 from .core import transcript_md
 from .core.model import tenant_root
-from .errors import AdminBadRequest, AdminUnauthorized, SessionNotFound
+from .errors import (
+    AdminBadRequest,
+    AdminUnauthorized,
+    SessionNotFound,
+    StoreError,
+    StoreUnavailable,
+)
 from .tenancy import tenant_credential
 
 __all__ = ["Access", "AdminUnauthorized", "add_admin_routes", "decide_access", "is_loopback"]
@@ -90,8 +101,13 @@ def _bearer(authorization: str) -> str | None:
     return value.strip() if scheme.lower() == "bearer" else None
 
 
-def decide_access(remote: str | None, headers: Mapping[str, str], settings: Settings, secret: bytes) -> Access:
-    """Apply the module's access rules to one request; raises :class:`AdminUnauthorized`."""
+def decide_access(
+    remote: str | None, headers: Mapping[str, str], settings: Settings, secret: Callable[[], bytes]
+) -> Access:
+    """Apply the module's access rules to one request; raises :class:`AdminUnauthorized`.
+
+    ``secret`` (the store's) is asked only when a tenant credential decides: it raises
+    :class:`StoreError` while a shared store's secret is unknown."""
     token = settings.admin.token
     presented = _bearer(headers.get(hdrs.AUTHORIZATION, ""))
     if token and presented is not None and hmac.compare_digest(presented.encode(), token.encode()):
@@ -101,7 +117,7 @@ def decide_access(remote: str | None, headers: Mapping[str, str], settings: Sett
     credential = tenant_credential(headers, tenant_header)
     if credential:
         if local or (token and not tenant_header and not settings.upstream.api_key):
-            return Access(tenant_root(secret, credential), "tenant")
+            return Access(tenant_root(secret(), credential), "tenant")
         if not token:
             raise AdminUnauthorized(
                 "the kvwarm admin API answers loopback clients only; set admin.token to open it"
@@ -113,7 +129,20 @@ def decide_access(remote: str | None, headers: Mapping[str, str], settings: Sett
 
 
 def _access(request: web.Request) -> Access:
-    return decide_access(request.remote, request.headers, request.app[SETTINGS], request.app[STORE].secret())
+    try:
+        return decide_access(request.remote, request.headers, request.app[SETTINGS], request.app[STORE].secret)
+    except StoreError as exc:
+        raise _unavailable(exc, operator=False) from exc
+
+
+def _unavailable(exc: StoreError, *, operator: bool) -> StoreUnavailable:
+    """The 503 of a store that cannot answer; the operator reads why (a tenant does not: the
+    store's address and state are the operator's)."""
+    why = f" ({exc})" if operator else ""
+    return StoreUnavailable(
+        f"the session store is unavailable right now{why}; requests are still served (unrepaired), "
+        "and sessions can be read again once the store answers"
+    )
 
 
 async def list_sessions(request: web.Request) -> web.Response:
@@ -121,7 +150,10 @@ async def list_sessions(request: web.Request) -> web.Response:
     raw = request.query.get("limit", str(DEFAULT_LIMIT))
     if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIMIT:
         raise AdminBadRequest(f"limit must be a whole number from 1 to {MAX_LIMIT}")
-    infos = await request.app[STORE].sessions(access.tenant)
+    try:
+        infos = await request.app[STORE].sessions(access.tenant)
+    except StoreError as exc:
+        raise _unavailable(exc, operator=access.tenant is None) from exc
     return web.Response(body=sessions.list_json(infos, int(raw)), content_type="application/json")
 
 
@@ -134,8 +166,11 @@ async def show_session(request: web.Request) -> web.Response:
     if fmt not in ("json", "md"):
         raise AdminBadRequest("format must be json or md")
     store = request.app[STORE]
-    leaf = await sessions.find_session(store, name, access.tenant)
-    transcript = await sessions.load_session(store, leaf, access.tenant) if leaf is not None else None
+    try:
+        leaf = await sessions.find_session(store, name, access.tenant)
+        transcript = await sessions.load_session(store, leaf, access.tenant) if leaf is not None else None
+    except StoreError as exc:
+        raise _unavailable(exc, operator=access.tenant is None) from exc
     if transcript is None:
         raise SessionNotFound(f"no session {name!r}")
     transcript = await request.app[PIPELINE].counted_transcript(transcript)  # a node may be stored uncounted

@@ -18,6 +18,7 @@
           ├── BodyTooLarge              413
           ├── UpstreamUnreachable       502
           ├── TooManyConnections        503  (server.max_connections reached; written raw)
+          ├── StoreUnavailable          503  (admin API: the transcript store cannot answer now)
           └── UpstreamTimeout           504
 
 The pure core raises plain ``ValueError`` subclasses of its own (:mod:`proxy.core.errors`,
@@ -156,3 +157,12 @@ class SessionNotFound(ProxyError):
     status = 404
     error_type = "invalid_request_error"
     code = "session_not_found"
+
+
+class StoreUnavailable(ProxyError):
+    """The admin API cannot read the transcript store right now (a shared store out of reach);
+    requests are still served, unrepaired."""
+
+    status = 503
+    error_type = "server_error"
+    code = "store_unavailable"

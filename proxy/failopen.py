@@ -3,7 +3,7 @@
 kvwarm must never turn a request the upstream would have served into a failure.
 Each stage that only *enriches* a request (parse, match, repair, diagnose, record,
 usage, store, ...) runs as ``with guard("match"): ...``. An exception inside is
-logged once (with its traceback), counted in ``kvwarm_errors_total{stage}``, added
+logged once (with its traceback; a store that is down, one line), counted in ``kvwarm_errors_total{stage}``, added
 to the request's ``failed_open=`` log field, and swallowed: the caller goes on with
 what it had (in the end, the client's own bytes). The request path's own stages, run
 on every request (and the observers', run on every event of a stream), are written
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from types import TracebackType
 
 from .core.guard import STRICT, Guard
+from .errors import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,15 @@ class FailOpen:
         return True
 
     def fail(self, stage: str, exc: BaseException) -> None:
-        """``stage`` raised ``exc``: logged, counted, listed, and the request goes on."""
-        log.error("%s failed; going on without it (fail open)", stage, exc_info=exc)
+        """``stage`` raised ``exc``: logged, counted, listed, and the request goes on.
+
+        A store that is down or slow (:class:`~proxy.errors.StoreError`, a timeout) is an
+        operational state, not a bug: one WARNING line without a traceback, which would be
+        the same for every request until the store is back."""
+        if isinstance(exc, StoreError | TimeoutError):
+            log.warning("%s failed: %s; going on without it (fail open)", stage, str(exc) or type(exc).__name__)
+        else:
+            log.error("%s failed; going on without it (fail open)", stage, exc_info=exc)
         if self._count is not None:
             self._count(stage)
         self.failed.append(stage)

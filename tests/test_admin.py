@@ -97,9 +97,9 @@ def test_access_rules(remote: str, headers: dict[str, str], overrides: dict[str,
     request_headers = CIMultiDict(headers)  # as aiohttp hands them over: names in any case
     if expected == 401:
         with pytest.raises(AdminUnauthorized):
-            decide_access(remote, request_headers, s, SECRET)
+            decide_access(remote, request_headers, s, lambda: SECRET)
         return
-    access = decide_access(remote, request_headers, s, SECRET)
+    access = decide_access(remote, request_headers, s, lambda: SECRET)
     roots = {
         "all": None,
         "alice": tenant_root(SECRET, "Bearer sk-alice"),

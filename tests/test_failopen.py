@@ -19,6 +19,7 @@ from proxy.appkeys import PIPELINE
 from proxy.core.guard import STRICT
 from proxy.core.model import Node
 from proxy.core.pricing import Price, PriceTable
+from proxy.errors import StoreError
 from proxy.failopen import FailOpen
 from proxy.metrics import ERROR_STAGES, ProxyMetrics
 from proxy.store.base import StoreView
@@ -162,6 +163,22 @@ def test_a_failure_is_logged_once_as_an_error_with_its_traceback(guard: FailOpen
     assert record.exc_info is not None and isinstance(record.exc_info[1], LookupError)
     assert "Traceback (most recent call last)" in caplog.text
     assert "in _explode" in caplog.text and "the stored node vanished" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "exc", [StoreError("redis store read: redis down: Connection refused"), TimeoutError()], ids=["store-down", "timeout"]
+)
+def test_a_store_that_is_down_is_one_warning_line_without_a_traceback(
+    guard: FailOpen, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture, exc: Exception
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    with guard("store"):
+        raise exc
+    (record,) = caplog.records
+    assert (record.name, record.levelno) == ("proxy.failopen", logging.WARNING)
+    assert record.exc_info is None and "Traceback" not in caplog.text
+    assert "store failed: " + (str(exc) or "TimeoutError") in record.getMessage()
+    assert guard.failed == ["store"] and errors(registry, "store") == 1.0
 
 
 def test_a_failure_after_a_nested_stage_is_counted_under_the_outer_stage(registry: CollectorRegistry, guard: FailOpen) -> None:
@@ -325,7 +342,7 @@ async def test_a_failing_store_part_is_named_in_the_log_line(
 
 async def test_a_failing_price_lookup_is_named_usage(sim: TestServer, aiohttp_server: Any, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="proxy.pipeline")
-    app = create_app(proxy_settings(sim_url(sim)), registry=CollectorRegistry(), prices=BrokenPrices.default())
+    app = create_app(proxy_settings(sim_url(sim)), registry=CollectorRegistry(), prices=BrokenPrices({}))
     proxy: TestServer = await aiohttp_server(app)
     turns = await run_agent(proxy, 2)
     lines = request_lines(caplog)

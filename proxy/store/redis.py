@@ -22,6 +22,7 @@ another protocol (MOVED/ASK redirections, slot routing) and cannot use ``db`` or
 The store is made of, one concept each:
 
 ``redis_link``      the connection: every call bounded, the breaker, the probe, the secret
+                    (agreed again with Redis while running)
 ``redis_layout``    the key layout (one hash tag per tenant) and what it costs in a cluster
 ``redis_codec``     node records and session totals as Redis holds them; verified decoding
 ``redis_scripts``   the Lua scripts: fill, path, sessions, write
@@ -37,15 +38,20 @@ refreshed by each turn's write (:mod:`proxy.store.redis_writes`). Memory is boun
 Redis itself: set ``maxmemory`` and ``maxmemory-policy volatile-ttl``. With sliding TTLs
 the key nearest to expiry is the one used longest ago, so ``volatile-ttl`` evicts in
 kvwarm's own LRU order, and it never evicts ``P:secret`` (which has no TTL): under
-``allkeys-lru`` an evicted secret would be re-created at the next start, and that process
-would hash tenants differently from the rest. Either policy is otherwise safe: a missing
-parent, body or list is a miss, never an error.
+``allkeys-lru`` an evicted secret is stored again by the first running process that notices
+(within ``secret_interval``), but a process started before that stores a new one, which every
+process then follows, and what was recorded under the old one is no longer matched
+(:mod:`proxy.store.redis_link`). Either policy is otherwise safe: a missing parent, body or
+list is a miss, never an error.
 
 **Failure.** Every call is bounded by ``timeout`` and raises
 :class:`~proxy.errors.StoreError` on any Redis error; Redis out of reach opens a breaker
 and the store resumes by itself when it answers again (:mod:`proxy.store.redis_link`).
 Until Redis has answered once, :meth:`RedisStore.secret` raises
-:class:`~proxy.errors.StoreError`.
+:class:`~proxy.errors.StoreError`: a process started while Redis is down serves, unrepaired,
+and names no tenant until then (:data:`proxy.tenancy.UNKNOWN_TENANT`, whose reads and writes
+this store refuses). Damaged keys (another type than kvwarm keeps there) are counted corrupt
+entries and read as absent, never errors.
 """
 
 from __future__ import annotations
@@ -100,7 +106,8 @@ class RedisStore:
     cache of nodes. ``prefix``: the key prefix. ``health_check_interval``: idle seconds
     before redis-py pings a pooled connection. ``retries``: redis-py retries of one command
     on a connection error (with exponential backoff). ``probe_backoff``: first and longest
-    pause between probes while Redis is unreachable. ``clock``: stamps session updates.
+    pause between probes while Redis is unreachable. ``secret_interval``: seconds between two
+    checks of the shared secret (:meth:`RedisLink.sync_secret`). ``clock``: stamps session updates.
     """
 
     shared = True
@@ -117,6 +124,7 @@ class RedisStore:
         health_check_interval: float = 10.0,
         retries: int = 1,
         probe_backoff: tuple[float, float] = (0.05, 2.0),
+        secret_interval: float = 1.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not is_redis_url(url):
@@ -140,11 +148,12 @@ class RedisStore:
             health_check_interval=health_check_interval,
             retries=retries,
             probe_backoff=probe_backoff,
+            secret_interval=secret_interval,
         )
         self._layout = layout
         decoder = ReplyDecoder(self._cache, self.counters)
         self._reads = RedisReads(self._link, layout, self._cache, self.counters, decoder)
-        self._admin = RedisAdmin(self._link, layout, self._cache, decoder)
+        self._admin = RedisAdmin(self._link, layout, self._cache, self.counters, decoder)
         self._writes = RedisWrites(
             self._link,
             layout,
@@ -185,6 +194,8 @@ class RedisStore:
         return 0
 
     def secret(self) -> bytes:
+        """The shared secret as agreed with Redis now (it may change while running: the link's
+        docstring); raises :class:`StoreError` until Redis has answered once."""
         secret = self._link.secret
         if secret is None:
             raise StoreError(f"the redis store {redacted(self.url)} has not answered yet: its shared secret is unknown")

@@ -86,6 +86,8 @@ class RedisAffinity:
 
     async def lookup(self, tenant: bytes, keys: Sequence[bytes]) -> str | None:
         """The replica of the first of ``keys`` (deepest first) that has one."""
+        if not tenant:  # no tenant named (the secret is unknown): nothing is kept under it
+            return self._answer(None, prefetched=True)
         now = self._clock()
         for i, key in enumerate(keys):
             entry = self._known.get(key)
@@ -97,7 +99,7 @@ class RedisAffinity:
 
     async def remember(self, tenant: bytes, keys: Sequence[bytes], replica: str) -> None:
         """``replica`` served every prefix in ``keys``: one pipelined write, never an error."""
-        if not keys:
+        if not keys or not tenant:
             return
         now = self._clock()
         for key in keys:

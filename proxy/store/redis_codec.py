@@ -28,6 +28,7 @@ from .redis_cache import NodeCache, RedisCounters
 
 __all__ = [
     "INLINE_MAX",
+    "RECORD_HEAD",
     "TOTALS_FIELDS",
     "ReplyDecoder",
     "encode_node",
@@ -44,6 +45,8 @@ _HEAD = struct.Struct(">32s32s64sBIIdH")
 """Record header: parent, identity and body hash (in hex: the scripts build key names from
 them), flags, depth, tokens, created, role length; then the role, then an inline body."""
 _GENERATED, _PARTIAL, _INLINE = 1, 2, 4
+RECORD_HEAD = _HEAD.size
+"""Bytes of a record's fixed header: a shorter record is damage (the scripts read it by offset)."""
 
 TOTALS_FIELDS = (
     "turns",

@@ -27,7 +27,11 @@ from .redis_link import RedisLink
 from .redis_scripts import FILL
 from .redis_view import CHILDREN_LIMIT, IDENTITY_LIMIT, FillRequest, RedisView
 
-__all__ = ["RedisReads"]
+__all__ = ["UNNAMED", "RedisReads"]
+
+UNNAMED = "the request's tenant was not named: the shared secret was unknown when it arrived (redis had not answered)"
+"""Why a view or turn of :data:`~proxy.tenancy.UNKNOWN_TENANT` is refused: nothing is read or
+written under a root that names no tenant."""
 
 
 class RedisReads:
@@ -59,6 +63,8 @@ class RedisReads:
         tenant = view.tenant
         if tenant is None:
             raise StoreError("a redis view needs the request's tenant root: call store.view(root)")
+        if not tenant:
+            raise StoreError(UNNAMED)
         by_tenant: dict[bytes, list[bytes]] = {}
         for t, ident in request.identities:
             by_tenant.setdefault(t, []).append(ident)
@@ -111,7 +117,8 @@ class RedisReads:
         ]
 
     def _absorb(self, view: RedisView, tenant: bytes, reply: Any) -> None:
-        recs, blobs, absent, lists, routes = reply
+        recs, blobs, absent, lists, routes, damaged = reply
+        self._counters.corrupt += damaged
         nodes = self._decoder.nodes(tenant, recs, blobs)
         view.found(list(nodes.values()), [unhexlify(h) for h in absent])
         for kind, ident, members in lists:

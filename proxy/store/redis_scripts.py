@@ -14,12 +14,20 @@ Every script has a shebang, so Redis rejects any access outside the slot of its 
 ``no-writes``. Key names are built in Lua from the tenant's base (``ARGV[1]``) and hex
 keys, per the layout of :mod:`proxy.store.redis_layout`; records are read without decoding,
 by the offsets of :mod:`proxy.store.redis_codec`.
+
+**Damage.** A key of another type than the layout says (a string where a sessions index
+belongs, a list for totals), a record shorter than its header, or totals whose numbers do not
+parse, is never an error: the read scripts take it as absent, the write script replaces it
+(a write that failed half-way would leave a turn half-recorded: Lua scripts do not roll back),
+and each script returns how many it met, which the store counts as corrupt entries.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+
+from .redis_codec import RECORD_HEAD
 
 __all__ = ["FILL", "PATH", "SESSIONS", "WRITE", "WRITE_TOKEN_MS", "Script"]
 
@@ -28,6 +36,28 @@ WRITE_TOKEN_MS = 60_000
 
 _PRELUDE = """
 local base = ARGV[1]
+local damaged = 0
+-- A key of another type than kvwarm keeps there is damage: read as absent, and counted.
+local function read(...)
+  local v = redis.pcall(...)
+  if type(v) == 'table' and v.err then
+    if string.sub(v.err, 1, 9) == 'WRONGTYPE' then
+      damaged = damaged + 1
+      return false
+    end
+    return error(v)
+  end
+  return v
+end
+-- So is a record shorter than its fixed header (the scripts read it by offset).
+local function record(key)
+  local rec = read('GET', key)
+  if rec and #rec < __HEAD__ then
+    damaged = damaged + 1
+    return false
+  end
+  return rec
+end
 -- A record starts with its parent (1..32), identity (33..64) and body hash (65..128) in hex,
 -- then flags (129) and depth (130..133): what the scripts read, without decoding.
 local function parent_of(rec) return string.sub(rec, 1, 32) end
@@ -45,7 +75,7 @@ local function add(k, rec)
   if b then
     if not bseen[b] then
       bseen[b] = true
-      local body = redis.call('GET', base .. 'b:' .. b)
+      local body = read('GET', base .. 'b:' .. b)
       if body then
         blobs[#blobs + 1] = b
         blobs[#blobs + 1] = body
@@ -56,7 +86,7 @@ end
 local function node(k)
   local rec = seen[k]
   if rec then return rec end
-  rec = redis.call('GET', base .. 'n:' .. k)
+  rec = record(base .. 'n:' .. k)
   if rec then add(k, rec) end
   return rec
 end
@@ -84,7 +114,7 @@ local function members(kind, id, limit)
   if listed[kind .. id] then return end
   listed[kind .. id] = true
   local out = {}
-  for _, m in ipairs(redis.call('ZRANGE', base .. kind .. ':' .. id, -limit, -1)) do
+  for _, m in ipairs(read('ZRANGE', base .. kind .. ':' .. id, -limit, -1) or {}) do
     if node(m) then out[#out + 1] = m end
   end
   lists[#lists + 1] = {kind, id, out}
@@ -127,10 +157,10 @@ if rdepth > 0 then
   for _, k in ipairs(walked) do ask[#ask + 1] = k end
   for j = math.max(1, #ask - rdepth + 1), #ask do
     routes[#routes + 1] = ask[j]
-    routes[#routes + 1] = redis.call('GET', base .. 'r:' .. ask[j]) or ''
+    routes[#routes + 1] = read('GET', base .. 'r:' .. ask[j]) or ''
   end
 end
-return {recs, blobs, absent, lists, routes}
+return {recs, blobs, absent, lists, routes, damaged}
 """
 )
 
@@ -142,11 +172,11 @@ _PATH = (
 local k = ARGV[2]
 for _ = 1, 1000000 do
   local rec = node(k)
-  if not rec then return {{}, {}} end
-  if depth(rec) == 0 then return {recs, blobs} end
+  if not rec then return {{}, {}, damaged} end
+  if depth(rec) == 0 then return {recs, blobs, damaged} end
   k = parent_of(rec)
 end
-return {{}, {}}
+return {{}, {}, damaged}
 """
 )
 
@@ -155,18 +185,18 @@ _SESSIONS = (
     + _PRELUDE
     + """
 -- ARGV: base. Per live session: leaf, depth, totals fields (entries whose leaf or totals
--- expired are skipped; the write script prunes them by age).
+-- expired are skipped; the write script prunes them by age); then the damage met.
 local out = {}
-for _, leaf in ipairs(redis.call('ZREVRANGE', KEYS[1], 0, -1)) do
-  local rec = redis.call('GET', base .. 'n:' .. leaf)
-  local t = redis.call('HMGET', base .. 't:' .. leaf, unpack(F))
-  if rec and t[1] then
+for _, leaf in ipairs(read('ZREVRANGE', KEYS[1], 0, -1) or {}) do
+  local rec = record(base .. 'n:' .. leaf)
+  local t = rec and read('HMGET', base .. 't:' .. leaf, unpack(F))
+  if t and t[1] then
     out[#out + 1] = leaf
     out[#out + 1] = depth(rec)
     for f = 1, #F do out[#out + 1] = t[f] end
   end
 end
-return out
+return {out, damaged}
 """
 )
 
@@ -179,6 +209,14 @@ _WRITE = (
 --       totals mode ('0' none, '1' given previous leaf, '2' search the path),
 --       [leaf, previous leaf or '', turn fields...]
 local ttl, now, token, heal, tenant = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+-- A key of another type than this script writes there is damage: replaced, and counted.
+local function fix(key, want)
+  local kind = redis.call('TYPE', key)['ok']
+  if kind ~= 'none' and kind ~= want then
+    redis.call('DEL', key)
+    damaged = damaged + 1
+  end
+end
 local cap, slack = tonumber(ARGV[7]), tonumber(ARGV[8])
 local nowms = tonumber(now) * 1000
 local i = 9
@@ -213,6 +251,7 @@ end
 local t = redis.call('TIME')
 local score = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local function index(zkey, member)
+  fix(zkey, 'zset')
   score = score + 1
   -- The cap is checked on about one insert in 16: a list may run a little over it.
   if redis.call('ZADD', zkey, 'NX', score, member) == 1 and score % 16 == 0
@@ -220,6 +259,13 @@ local function index(zkey, member)
     redis.call('ZREMRANGEBYRANK', zkey, 0, -cap - 1)
   end
   redis.call('PEXPIRE', zkey, ttl)
+end
+-- Insert if absent: a damaged record in the way is replaced.
+local function put(key, rec)
+  if redis.call('SET', key, rec, 'NX', 'PX', ttl) then return true end
+  if record(key) then return false end
+  redis.call('SET', key, rec, 'PX', ttl)
+  return true
 end
 local added, fresh = 0, {}
 local n = tonumber(ARGV[i]); i = i + 1
@@ -234,10 +280,10 @@ for _ = 1, n do
   elseif pathdepth[parent] then
     ok = pathdepth[parent] == d - 1
   else
-    local prec = redis.call('GET', base .. 'n:' .. parent)
+    local prec = record(base .. 'n:' .. parent)
     ok = prec and depth(prec) == d - 1
   end
-  if ok and redis.call('SET', base .. 'n:' .. k, rec, 'NX', 'PX', ttl) then
+  if ok and put(base .. 'n:' .. k, rec) then
     if body ~= '' then redis.call('SET', base .. 'b:' .. blob_of(rec), body, 'PX', ttl) end
     index(base .. 'c:' .. parent, k)
     index(base .. 'i:' .. ident_of(rec), k)
@@ -268,37 +314,52 @@ end
 -- continuing turn costs a few calls, not one per node.
 local touched = nowms
 if from > 0 then
-  local last = tonumber(redis.call('HGET', base .. 't:' .. path[from], 'touched') or '0')
+  local last = tonumber(read('HGET', base .. 't:' .. path[from], 'touched') or '0') or 0
   if last >= nowms - slack then touched = last else from = 0 end
 end
 local refreshed = false
 for j = from + 1, npath do
   local left = redis.call('PTTL', pkeys[j])
   if left >= 0 and left < ttl - slack then
-    local rec = redis.call('GET', pkeys[j])
+    local rec = record(pkeys[j])
     redis.call('PEXPIRE', pkeys[j], ttl)
     redis.call('PEXPIRE', base .. 'c:' .. path[j], ttl)
-    redis.call('PEXPIRE', base .. 'i:' .. ident_of(rec), ttl)
     redis.call('PEXPIRE', base .. 't:' .. path[j], ttl)
-    local b = blob_of(rec)
-    if b then redis.call('PEXPIRE', base .. 'b:' .. b, ttl) end
+    if rec then
+      redis.call('PEXPIRE', base .. 'i:' .. ident_of(rec), ttl)
+      local b = blob_of(rec)
+      if b then redis.call('PEXPIRE', base .. 'b:' .. b, ttl) end
+    end
     refreshed = true
   end
 end
 if refreshed then redis.call('PEXPIRE', base .. 'c:' .. tenant, ttl) end
-if mode == '0' then return {'ok', added, 0} end
+if mode == '0' then return {'ok', added, 0, damaged} end
 
 -- Totals: those of the previous leaf move down to this one, then the turn is added.
 local turn = {}
 for f = 1, #F do turn[F[f]] = ARGV[i]; i = i + 1 end
+local INT = {'turns', 'prompt_tokens', 'cached_tokens', 'completion_tokens', 'unknown_cache_turns', 'repaired'}
+local NUMBERS = {'cost_usd', 'created', 'updated', unpack(INT)}
+-- Stored totals; damaged ones (another type, a field missing or not a number) are dropped.
 local function load(key)
+  fix(key, 'hash')
   local v = redis.call('HGETALL', key)
   if #v == 0 then return nil end
   local out = {}
   for j = 1, #v, 2 do out[v[j]] = v[j + 1] end
+  for _, f in ipairs(F) do
+    if out[f] == nil then out = nil break end
+  end
+  for _, f in ipairs(out and NUMBERS or {}) do
+    if tonumber(out[f]) == nil then out = nil break end
+  end
+  if out == nil then
+    redis.call('DEL', key)
+    damaged = damaged + 1
+  end
   return out
 end
-local INT = {'turns', 'prompt_tokens', 'cached_tokens', 'completion_tokens', 'unknown_cache_turns', 'repaired'}
 local function combine(a, b)
   if a == nil then return b end
   if b == nil then return a end
@@ -319,6 +380,7 @@ local c = combine(combine(moved, load(base .. 't:' .. leaf)), turn)
 if tonumber(c.created) == 0 then c.created = now end
 local stored = 0
 if fresh[leaf] or pathdepth[leaf] or redis.call('EXISTS', base .. 'n:' .. leaf) == 1 then
+  fix(KEYS[1], 'zset')
   if moved then
     redis.call('DEL', base .. 't:' .. prev)
     redis.call('ZREM', KEYS[1], prev)
@@ -338,7 +400,8 @@ if fresh[leaf] or pathdepth[leaf] or redis.call('EXISTS', base .. 'n:' .. leaf) 
   end
   stored = 1
 end
-local out = {'ok', added, stored}
+-- Reply: 'ok', nodes added, totals stored (1/0), damaged keys met, the session's totals.
+local out = {'ok', added, stored, damaged}
 for f = 1, #F do out[#out + 1] = c[F[f]] end
 return out
 """
@@ -355,10 +418,11 @@ class Script:
 
 
 def _script(name: str, source: str) -> Script:
+    source = source.replace("__HEAD__", str(RECORD_HEAD)).replace("__TOKEN_MS__", str(WRITE_TOKEN_MS))
     return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 
 FILL = _script("fill", _FILL)
 PATH = _script("path", _PATH)
 SESSIONS = _script("sessions", _SESSIONS)
-WRITE = _script("write", _WRITE.replace("__TOKEN_MS__", str(WRITE_TOKEN_MS)))
+WRITE = _script("write", _WRITE)

@@ -18,7 +18,12 @@ early.
 **Heal.** A write whose matched path has vanished from Redis (a restart without
 persistence, eviction) gets the missing positions back; the path is re-inserted from the
 process cache first, parents first, and the write runs again without the check, so
-sessions continue across a Redis wipe.
+sessions continue across a Redis wipe. Redis having lost data, the shared secret is checked
+first (:meth:`~proxy.store.redis_link.RedisLink.sync_secret`): when another process's secret
+now stands, this turn (keyed under the old one) is not written.
+
+**Damage.** The script replaces keys of another type than it writes and reports how many
+(counted as corrupt entries); a damaged ``P:tenants`` is replaced by this tenant's entry.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from .redis_cache import NodeCache, RedisCounters
 from .redis_codec import encoded, normalized, totals_of, turn_fields
 from .redis_layout import KeyLayout
 from .redis_link import RedisLink
+from .redis_reads import UNNAMED
 from .redis_scripts import WRITE
 
 __all__ = ["ANNOUNCE_EVERY", "INDEX_CAP", "TOUCH_SLACK_MS", "RedisWrites"]
@@ -87,6 +93,8 @@ class RedisWrites:
         tenant = await self._turn_tenant(turn)
         if tenant is None:
             raise StoreError("redis store write: the turn's tenant is unknown (no nodes, path not cached)")
+        if not tenant:
+            raise StoreError(f"redis store write: {UNNAMED}")
         await self._write(tenant, turn.nodes, turn.path, turn.leaf, None, turn.totals, search=True)
 
     async def insert(self, nodes: Sequence[Node]) -> int:
@@ -113,7 +121,7 @@ class RedisWrites:
         reply = await self._write(root, (), (), leaf, parent_leaf, totals, search=False)
         if reply[0] == b"dup":
             return await self._stored_totals(leaf, root) or normalized(totals, self._clock())
-        return totals_of(reply[3:])
+        return totals_of(reply[4:])
 
     async def _turn_tenant(self, turn: TurnWrite) -> bytes | None:
         if turn.tenant:
@@ -149,26 +157,39 @@ class RedisWrites:
             if announce:
                 ops.append(("ZADD", self._layout.tenants, now, tenant.hex()))
                 ops.append(("ZREMRANGEBYSCORE", self._layout.tenants, "-inf", f"({now - self._ttl!r}"))
-            results = await self._link.run("write", ops)
+            results = await self._link.run("write", ops, lenient_from=1)
             if announce:
-                if len(self._announced) >= 100_000:
-                    self._announced.clear()
-                self._announced[tenant] = now
+                await self._announced_in(results[1:], tenant, now)
             reply: list[Any] = results[0]
             if reply[0] != b"heal":
                 break
             # Redis lost part of the matched path (restart, eviction): put it back from the
-            # process cache, parents first, then write again without the check.
+            # process cache, parents first, then write again without the check. A restart
+            # may have lost the shared secret too.
+            if await self._link.guarded("secret", lambda _: self._link.sync_secret()):
+                raise StoreError("redis store write: the shared secret changed; this turn was keyed under the old one")
             healed = [self._cache.get(path[int(i)]) for i in reply[1]]
             back: list[_Encoded] = [(n, *encoded(n)) for n in healed if n is not None]
             self._counters.healed += len(back)
             todo = back + todo
             heal = "1"
         self._counters.writes += 1
+        if reply[0] == b"ok":
+            self._counters.corrupt += int(reply[3])
         self._link.full = None
         for node, digest, _, _ in todo:
             self._cache.put(node, digest)
         return reply
+
+    async def _announced_in(self, results: Sequence[Any], tenant: bytes, now: float) -> None:
+        """Note the tenant announced in ``P:tenants``; a damaged key (another type) is replaced."""
+        if any(isinstance(r, Exception) for r in results):
+            self._counters.corrupt += 1
+            key = self._layout.tenants
+            await self._link.run("write", [("DEL", key), ("ZADD", key, now, tenant.hex())])
+        if len(self._announced) >= 100_000:
+            self._announced.clear()
+        self._announced[tenant] = now
 
     def _args(
         self,

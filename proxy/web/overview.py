@@ -16,6 +16,11 @@ Process-wide numbers are this process's: with several workers or replicas each h
 own counters, ring and examples (``process.pid`` says which one answered). Sessions come
 from the transcript store, shared when the store is. Pure: the caller reads the registry
 and the store; times are Unix seconds.
+
+A store that cannot answer (a shared one out of reach) leaves the overview whole: ``store``
+says so (``available`` false, and a ``message`` for people), the sessions are empty and their
+count (and a tenant's ``mine``) ``null`` -- unknown, not zero -- and every process-wide
+number is there as usual.
 """
 
 from __future__ import annotations
@@ -198,6 +203,8 @@ def build_overview(
     pid: int,
     version: str,
     workers: int = 1,
+    store_error: str | None = None,
+    store_health: str = "ok",
 ) -> dict[str, Any]:
     """The overview for ``viewer``; ``reading`` is a live read of the registry taken at ``now``.
 
@@ -205,6 +212,8 @@ def build_overview(
     the :func:`preview_of` of (at least) their :func:`top_sessions`, by leaf. ``upstreams``
     are the pool's replicas (``Router.describe()``), ``routing`` its policy. ``workers``: how
     many worker processes serve the port (``server.workers``), ``pid`` the one answering.
+    ``store_error``: why the sessions could not be read (then ``sessions`` is empty);
+    ``store_health``: the store's :meth:`~proxy.store.base.AsyncStore.health`.
     """
     operator = viewer.tenant is None
     uptime = max(0.0, now - history.started)
@@ -222,7 +231,8 @@ def build_overview(
         "history": None,
         "mine": None,
         "sessions": [_session_json(i, previews.get(i.leaf, "")) for i in top_sessions(infos)],
-        "session_count": len(infos),
+        "session_count": len(infos) if store_error is None else None,
+        "store": _store_json(store_error, store_health, operator),
         # The upstream pool: one entry per replica. Its load is process-wide: the operator's.
         "upstreams": [_upstream_json(u, operator) for u in upstreams],
         "routing": routing if len(upstreams) > 1 else None,
@@ -232,14 +242,34 @@ def build_overview(
         out.update(_process_numbers(reading, history, now, uptime))
         counts: Mapping[str, float] = reading.breaks_by_reason
     else:
-        out["mine"] = _mine(infos)
+        out["mine"] = _mine(infos) if store_error is None else None
         counts = activity.counts(viewer.tenant)
-    out["breaks"] = [
+    out["breaks"] = _breaks_json(counts)
+    return out
+
+
+def _breaks_json(counts: Mapping[str, float]) -> list[dict[str, Any]]:
+    """Breaks by reason, the most frequent first."""
+    return [
         {"reason": reason, "count": _number(n)}
         for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
         if n > 0
     ]
-    return out
+
+
+def _store_json(error: str | None, health: str, operator: bool) -> dict[str, Any]:
+    """Whether the sessions could be read, and a line for people when not (or when the store is
+    degraded). Why, and the store's health, are the operator's to read."""
+    message = None
+    if error is not None:
+        why = f" ({error})" if operator else ""
+        message = (
+            f"The session store is unavailable{why}: sessions cannot be listed right now. Requests are "
+            "still served, unrepaired; the figures shown are this process's own."
+        )
+    elif health != "ok" and operator:
+        message = f"The session store is {health}."
+    return {"available": error is None, "health": health if operator else None, "message": message}
 
 
 def _process_numbers(reading: Reading, history: History, now: float, uptime: float) -> dict[str, Any]:

@@ -160,6 +160,8 @@ def render_page(view: Mapping[str, Any], *, operator: bool, assets: Mapping[str,
     return (
         _head(slots, operator=operator, assets=assets, api=api, interval_ms=interval_ms)
         + "<main>"
+        # The store's state, when it is not fine (empty, and so hidden by the stylesheet, else).
+        + slots.k("store_note", "p", "banner")
         + top
         + _panels(slots, breaks_title)
         + "</main>"

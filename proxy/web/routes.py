@@ -7,6 +7,10 @@ Routes (on the proxy port)::
     GET /kvwarm/api/overview        what the page shows, as JSON (the script polls it)
     GET /kvwarm/static/{name}       the page's script, stylesheet and icon (from this package)
 
+A store that cannot answer (a shared one out of reach) never fails the page or the API: they
+answer 200 with the process's own figures, no sessions, and ``store.available`` false with a
+message the page shows in a banner (:mod:`proxy.web.overview`).
+
 The page and the API answer under the admin API's access rule, decided by
 :func:`proxy.admin.decide_access` (loopback, the admin token, or a tenant's own key
 that sees only its own sessions and break examples; see :mod:`proxy.web.overview`
@@ -37,7 +41,10 @@ from aiohttp import hdrs, web
 from .. import __version__
 from ..admin import decide_access
 from ..appkeys import ACTIVITY, HISTORY, PIPELINE, REGISTRY, SETTINGS, STORE
+from ..errors import StoreError
 from ..store.base import AsyncStore, SessionInfo
+from ..tenancy import UNKNOWN_TENANT
+from .activity import Activity
 from .counters import read_counters
 from .overview import Viewer, build_overview, preview_of, top_sessions
 from .page import CSP, render_page
@@ -94,7 +101,12 @@ _ASSETS = web.AppKey("kvwarm_web_assets", _Assets)
 
 
 def _viewer(request: web.Request) -> Viewer:
-    access = decide_access(request.remote, request.headers, request.app[SETTINGS], request.app[STORE].secret())
+    """Who is looking. A tenant whose root the store cannot derive yet (its secret is unknown)
+    is a tenant all the same, named :data:`~proxy.tenancy.UNKNOWN_TENANT`: it sees nothing."""
+    try:
+        access = decide_access(request.remote, request.headers, request.app[SETTINGS], request.app[STORE].secret)
+    except StoreError:
+        return Viewer(tenant=UNKNOWN_TENANT, why="tenant")
     return Viewer(tenant=access.tenant, why=access.why)
 
 
@@ -137,7 +149,7 @@ async def _overview(request: web.Request, viewer: Viewer) -> dict[str, object]:
     reading = read_counters(app[REGISTRY])
     history = app[HISTORY]
     history.record(reading.totals, now)
-    infos, previews = await app[_SESSIONS].read(app[STORE], viewer.tenant)
+    infos, previews, store_error = await _sessions_of(app, viewer)
     # The replicas: the router's live view once the pipeline exists, the configured URLs before.
     pipeline = app.get(PIPELINE)
     settings = app[SETTINGS]
@@ -150,7 +162,8 @@ async def _overview(request: web.Request, viewer: Viewer) -> dict[str, object]:
         viewer=viewer,
         reading=reading,
         history=history,
-        activity=app[ACTIVITY],
+        # A tenant not named yet has no examples: none were recorded under a tenant of its own.
+        activity=Activity() if viewer.tenant == UNKNOWN_TENANT else app[ACTIVITY],
         sessions=infos,
         previews=previews,
         upstreams=upstreams,
@@ -159,7 +172,23 @@ async def _overview(request: web.Request, viewer: Viewer) -> dict[str, object]:
         pid=os.getpid(),
         version=__version__,
         workers=settings.server.workers,
+        store_error=store_error,
+        store_health=app[STORE].health(),
     )
+
+
+async def _sessions_of(
+    app: web.Application, viewer: Viewer
+) -> tuple[list[SessionInfo], dict[bytes, str], str | None]:
+    """The viewer's sessions and previews, or none and why the store cannot give them."""
+    if viewer.tenant == UNKNOWN_TENANT:
+        return [], {}, "its shared secret is not known yet: it has not answered since this process started"
+    try:
+        infos, previews = await app[_SESSIONS].read(app[STORE], viewer.tenant)
+    except StoreError as exc:
+        log.debug("the dashboard's session read failed: %s", exc)  # polled: the store's own log says it once
+        return [], {}, str(exc)
+    return infos, previews, None
 
 
 async def page(request: web.Request) -> web.Response:

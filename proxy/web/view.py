@@ -261,6 +261,7 @@ def build_view(overview: Mapping[str, Any]) -> dict[str, Any]:
     upstreams = overview["upstreams"]
     text = _header_text(overview, operator, now)
     text["upstream"] = _upstream_text(upstreams, overview.get("routing"))
+    text["store_note"] = str(overview["store"]["message"] or "")
     attrs: dict[str, str] = {}
     if overview.get("totals") is not None:
         text.update(_process_text(overview))
@@ -286,7 +287,11 @@ def _header_text(overview: Mapping[str, Any], operator: bool, now: float) -> dic
         "scope": ("all tenants" if operator else "your sessions only") + f" · {who.get(overview['access'], overview['access'])}",
         "process": f"{_process_name(process)} · up {fmt_duration(process['uptime_seconds'])}",
         "generated": time.strftime("%H:%M:%S UTC", time.gmtime(now)),
-        "session_count": f"{fmt_count(overview['session_count'])} in the store",
+        "session_count": (
+            "the store is unavailable"
+            if overview["session_count"] is None
+            else f"{fmt_count(overview['session_count'])} in the store"
+        ),
     }
 
 
@@ -325,8 +330,17 @@ def _process_text(overview: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-def _mine_text(mine: Mapping[str, Any]) -> dict[str, str]:
-    """A tenant's cards: the sum of its own sessions."""
+def _mine_text(mine: Mapping[str, Any] | None) -> dict[str, str]:
+    """A tenant's cards: the sum of its own sessions (dashes while the store cannot say)."""
+    if mine is None:
+        return {
+            "mine_sessions": DASH,
+            "mine_turns": "the store is unavailable",
+            "mine_hit": DASH,
+            "mine_tokens": "",
+            "mine_cost": DASH,
+            "mine_repaired": "",
+        }
     return {
         "mine_sessions": fmt_count(mine["sessions"]),
         "mine_turns": f"{fmt_count(mine['turns'])} turns",
