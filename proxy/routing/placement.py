@@ -2,12 +2,13 @@
 
 ``prefix`` (the default for a pool)
     A request whose matched prefix has a home (:mod:`proxy.routing.affinity`) goes home
-    (``affinity``), unless home is unavailable or overloaded: then the least-loaded
-    replica takes it (``spill``) and becomes the session's home. A request without a
-    home (a new session: nothing matched past its leading prefix) goes by rendezvous
-    hashing of its leading prefix, the chain key of tools + first message (``new``), so
-    sessions sharing a system prompt share one replica's cached prefix until bounded load
-    spreads them to the next replica in the same rendezvous order.
+    (``affinity``), unless home is unavailable or :func:`spills` says the imbalance is
+    large: then the least-loaded replica takes it (``spill``) and becomes the session's
+    home. A request without a home (a new session: nothing matched past its leading
+    prefix) goes by rendezvous hashing of its leading prefix, the chain key of tools +
+    first message (``new``), so sessions sharing a system prompt share one replica's
+    cached prefix until bounded load spreads them to the next replica in the same
+    rendezvous order.
 ``round_robin``, ``least_inflight``
     What their names say, over the available replicas.
 
@@ -15,7 +16,23 @@
 Zadimoghaddam, 2018): with ``m`` requests in flight on the ``n`` available replicas and
 the request being placed counted, each replica's capacity is
 ``ceil(max_load_factor * (m + 1) / n)``; a replica at capacity is *overloaded* and takes
-no new placements. The capacity is above the mean, so some replica always has room.
+may take no more. The capacity is above the mean, so some replica always has room.
+
+**Leaving home takes an absolute imbalance too** (the SGLang router's cache-aware policy
+balances only when ``max - min > balance_abs_threshold`` and ``max > balance_rel_threshold
+* min``): a session leaves an overloaded home only when the home holds more than
+``routing.balance_abs_threshold`` requests beyond the least-loaded replica. Moving a session
+costs a prefill of its whole history on the new replica, while an engine that batches serves
+a few more requests in flight for little; at low load the relative bound alone moved agent
+sessions back and forth (with two requests in flight per replica on average, three on one
+of them is already "overloaded"). New sessions are spread by bounded load alone (unlike
+SGLang's router, which piles them where their stem is cached until the imbalance is large):
+a new session placed away from its siblings prefills only the shared stem (tools and system
+prompt) once per replica, while piling every session of a stem onto one replica exhausts
+that replica's KV, which kvwarm cannot see (``tests/routing/test_bench.py``: a pool whose
+replicas each hold a quarter of the sessions' prefixes loses most of what spreading keeps).
+Once homed, sessions rarely move, so
+where new sessions start is what balances the pool.
 
 **Rendezvous hashing** (highest random weight): each replica scores
 ``H(key || replica)``; the replicas in descending score order are the key's preference
@@ -39,6 +56,7 @@ __all__ = [
     "overloaded",
     "preference",
     "rendezvous_score",
+    "spills",
 ]
 
 
@@ -73,6 +91,13 @@ def capacity(candidates: Sequence[Candidate], factor: float) -> int:
 
 def overloaded(candidate: Candidate, cap: int) -> bool:
     return candidate.inflight >= cap
+
+
+def spills(home: Candidate, candidates: Sequence[Candidate], cap: int, margin: int) -> bool:
+    """A session leaves ``home`` (one of ``candidates``): it is overloaded (``cap``) *and* holds
+    more than ``margin`` requests in flight beyond the least-loaded candidate. ``margin`` 0 is
+    bounded load alone (an overloaded replica is above the mean, so some replica holds fewer)."""
+    return overloaded(home, cap) and home.inflight - min(c.inflight for c in candidates) > margin
 
 
 def least_loaded(candidates: Sequence[Candidate], order: Sequence[int]) -> int:

@@ -34,7 +34,7 @@ from ..upstream import UpstreamSender, never_sent
 from .affinity import Affinity, LocalAffinity
 from .cache_key import FIELD, KeyShards, conversation_key, session_cache_key, with_prompt_cache_key
 from .health import Health
-from .placement import capacity, least_loaded, overloaded, preference
+from .placement import capacity, least_loaded, overloaded, preference, spills
 from .replica import Replica, replica_labels
 
 __all__ = ["DECISIONS", "Lease", "Route", "Router"]
@@ -91,6 +91,9 @@ class Router:
         self.remembers = self.pooled and self.policy == "prefix"
         """Answers teach where a prefix lives (:meth:`remember`)."""
         self.factor = settings.max_load_factor
+        self.margin = settings.balance_abs_threshold
+        """Requests in flight a session's home may hold beyond the least-loaded replica before the
+        session leaves it (:func:`~proxy.routing.placement.spills`)."""
         self.affinity: Affinity = affinity if affinity is not None else LocalAffinity(settings.affinity_entries)
         self.shards = KeyShards(settings.prompt_cache_key_rpm) if settings.prompt_cache_key == "session" else None
         self.metrics = metrics
@@ -143,8 +146,9 @@ class Router:
             named = await self.affinity.lookup(match.root, keys[deepest : max(LEADING, deepest - LOOKUP_DEPTH) - 1 : -1])
             home = self._by_url.get(named) if named is not None else None
             if home is not None:
-                if home in available and not overloaded(home, cap):
+                if home in available and not spills(home, available, cap, self.margin):
                     return "affinity", available.index(home)
+                # The least-loaded replica becomes home: remember() points the session's keys there.
                 return "spill", least_loaded(available, order)
         for i in order:
             if not overloaded(available[i], cap):

@@ -73,6 +73,13 @@ class Result:
     """Sum over the sessions of their last prompt plus reply (tokens): all sessions' prefixes."""
     decisions: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    per_session: list[int] = field(default_factory=list)
+    """Cached prompt tokens of each session (session ``i`` is the same agent under every policy)."""
+
+    def worst_session(self, ideal: Result) -> float:
+        """The lowest share of a session's cached tokens under ``ideal`` that it kept here."""
+        shares = [mine / best for mine, best in zip(self.per_session, ideal.per_session, strict=True) if best]
+        return min(shares, default=1.0)
 
     @property
     def spread(self) -> float:
@@ -177,6 +184,7 @@ async def run_policy(policy: str, workload: Workload, capacity_tokens: int | Non
             agents = [make_agent(i, workload, post) for i in range(workload.sessions)]
             await asyncio.gather(*(run_agent(a, i, workload) for i, a in enumerate(agents)))
         for agent in agents:
+            result.per_session.append(sum(turn.cached for turn in agent.turns))
             for turn in agent.turns:
                 result.cached += turn.cached
                 result.prompt += turn.prompt
@@ -204,19 +212,23 @@ def section(workload: Workload, ideal: Result, results: dict[str, Result], capac
     table = Table(
         f"{workload.sessions} concurrent agent sessions over {workload.prompts} system prompts, {workload.turns} turns, "
         f"{workload.replicas} replicas",
-        ["policy", "cached prompt tokens", "share of ideal", "requests per replica", "max / mean", "decisions"],
+        [
+            "policy", "cached prompt tokens", "share of ideal", "worst session's share", "requests per replica",
+            "max / mean", "decisions",
+        ],
     )
-    table.add("ideal (one unbounded replica)", f"{ideal.cached:,}", "1.000", str(ideal.per_replica[0]), "—", "")
+    table.add("ideal (one unbounded replica)", f"{ideal.cached:,}", "1.000", "1.000", str(ideal.per_replica[0]), "—", "")
     for policy, r in results.items():
         decisions = ", ".join(f"{k} {int(v)}" for k, v in sorted(r.decisions.items()))
         table.add(
-            f"`{policy}`", f"{r.cached:,}", f"{r.cached / ideal.cached:.3f}",
+            f"`{policy}`", f"{r.cached:,}", f"{r.cached / ideal.cached:.3f}", f"{r.worst_session(ideal):.3f}",
             " / ".join(str(n) for n in r.per_replica), f"{r.spread:.2f}", decisions,
         )
     table.notes = [
         f"Replicas: the reference upstream in vLLM cache mode, KV capacity {capacity:,} tokens each, LRU: "
         f"a quarter of all sessions' prefixes ({ideal.prefixes:,} tokens: each session's last prompt and reply, "
-        "the shared system prompt counted in each).",
+        "the shared system prompt counted in each). Worst session's share: the lowest of any session's "
+        "cached tokens over its own under the ideal (a session moved to another replica prefills its history again).",
         "Half of the sessions drift (re-serialized history, reordered tools, content as parts, ...): "
         "kvwarm repairs them, and `prefix` routes them by the repaired identity.",
         f"Prompt tokens in all: {ideal.prompt:,} per run (the same requests under every policy). The ideal also "

@@ -25,6 +25,9 @@ def test_a_pool_from_toml_env_and_flags(tmp_path: Path) -> None:
     assert s.routing.policy == "least_inflight"
     s = load_settings(f, env={"KVWARM_UPSTREAM_BASE_URL": "http://c/v1, http://d/v1", "KVWARM_ROUTING_MAX_LOAD_FACTOR": "1.5"})
     assert s.upstream.base_url == ("http://c/v1", "http://d/v1") and s.routing.max_load_factor == 1.5
+    assert s.routing.balance_abs_threshold == 32, "the shipped default"
+    s = load_settings(f, env={"KVWARM_ROUTING_BALANCE_ABS_THRESHOLD": "0"})
+    assert s.routing.balance_abs_threshold == 0, "0 is bounded load alone"
     args = build_parser().parse_args(["serve", "--upstream", "http://e/v1", "--upstream", "http://f/v1", "--store", "memory"])
     assert settings_from(args, **{"upstream.base_url": args.upstream}).upstream.base_url == ("http://e/v1", "http://f/v1")
     one = build_parser().parse_args(["serve", "--upstream", "http://g/v1"])
@@ -37,6 +40,8 @@ def test_a_pool_from_toml_env_and_flags(tmp_path: Path) -> None:
     [
         ('[routing]\npolicy = "random"\n', "routing.policy", "prefix, round_robin, least_inflight"),
         ("[routing]\nmax_load_factor = 0.9\n", "routing.max_load_factor", "at least 1.0"),
+        ("[routing]\nbalance_abs_threshold = -1\n", "routing.balance_abs_threshold", "0 or more"),
+        ("[routing]\nbalance_abs_threshold = 2.5\n", "routing.balance_abs_threshold", "whole number"),
         ("[routing]\neject_seconds = 0\n", "routing.eject_seconds", "positive"),
         ("[routing]\neject_errors = 0\n", "routing.eject_errors", "at least 1"),
         ('[routing]\nprompt_cache_key = "always"\n', "routing.prompt_cache_key", "session"),

@@ -13,7 +13,7 @@ from proxy.routing.cache_key import (
     with_prompt_cache_key,
 )
 from proxy.routing.health import EJECTED, HALF_OPEN, HEALTHY, Health
-from proxy.routing.placement import capacity, least_loaded, overloaded, preference
+from proxy.routing.placement import capacity, least_loaded, overloaded, preference, spills
 
 
 class Box:
@@ -85,6 +85,26 @@ def test_capacity_is_the_factor_times_the_mean_with_the_new_request_counted() ->
     for loads in ([0, 0], [7, 0, 0], [3, 3, 3, 3], [100, 1]):
         boxes = [Box(str(i), n) for i, n in enumerate(loads)]
         assert any(not overloaded(b, capacity(boxes, 1.0)) for b in boxes)
+
+
+def test_a_session_leaves_home_only_when_it_is_overloaded_and_far_above_the_least_loaded() -> None:
+    # Eight agent sessions on four replicas, seven in flight: three at home is overloaded (cap 3),
+    # yet only three beyond the idle replica.
+    pool = [Box("home", 3), Box("b", 2), Box("c", 2), Box("d", 0)]
+    home, cap = pool[0], capacity(pool, 1.25)
+    assert cap == 3 and overloaded(home, cap)
+    assert not spills(home, pool, cap, margin=32) and not spills(home, pool, cap, margin=3)
+    assert spills(home, pool, cap, margin=2)
+    assert spills(home, pool, cap, margin=0), "margin 0: bounded load alone"
+    # Far above the others but not overloaded (the whole pool is busy): stays.
+    busy = [Box("home", 60), Box("b", 20), Box("c", 20), Box("d", 20)]
+    assert not overloaded(busy[0], capacity(busy, 2.0)) and not spills(busy[0], busy, capacity(busy, 2.0), margin=32)
+    assert spills(busy[0], busy, capacity(busy, 1.25), margin=32)
+    # With margin 0 a replica that is overloaded is always above the least loaded one.
+    for loads in ([1, 0], [3, 3, 3, 4], [9, 1, 1, 1], [2, 2, 0]):
+        boxes = [Box(str(i), n) for i, n in enumerate(loads)]
+        cap = capacity(boxes, 1.0)
+        assert all(spills(b, boxes, cap, 0) == overloaded(b, cap) for b in boxes)
 
 
 def test_rendezvous_moves_only_the_keys_of_a_removed_replica() -> None:
