@@ -3,7 +3,7 @@
 Every number is a ratio against a baseline measured in the same run, with the runs
 interleaved (A, B, A, B, ...) and medians taken, because the machines are shared and
 noisy. ``python -m tests.bench.run [--quick] [--peers]`` runs them all, prints a Markdown
-report and writes it to ``tests/bench/latest.md``.
+report and writes it to ``docs/bench/latest.md``.
 
 - :mod:`.proxy_latency` -- kvwarm vs direct vs a bare aiohttp pass-through, real sockets;
 - :mod:`.peers` -- LiteLLM's proxy as an extra column (``--peers``);

@@ -46,7 +46,7 @@ ROUTING_SLOTS = 2
 """Slots per replica in the routing run: room for the sessions ``prefix`` homes there, not for all four."""
 ROUTING_AGENTS = 4
 
-OUTPUT = Path(__file__).with_name("engine_latest.md")
+OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "bench" / "engine.md"
 PIN = r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z"
 
 

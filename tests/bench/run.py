@@ -1,4 +1,4 @@
-"""``make bench``: run every benchmark, print the Markdown report, write ``tests/bench/latest.md``.
+"""``make bench``: run every benchmark, print the Markdown report, write ``docs/bench/latest.md``.
 
 ``python -m tests.bench.run [--quick] [--peers] [--only proxy,core,store,routing,scale]``
 
@@ -30,7 +30,7 @@ from tests.bench import (
 )
 from tests.bench.report import Section, machine_header
 
-REPORT = Path(__file__).resolve().parent / "latest.md"
+REPORT = Path(__file__).resolve().parents[2] / "docs" / "bench" / "latest.md"
 SECTIONS = ("proxy", "core", "responses", "store", "flood", "routing", "scale")
 
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer samples, smaller stores")
     parser.add_argument("--peers", action="store_true", help="add LiteLLM's proxy to the proxy benchmark")
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
-    parser.add_argument("--output", type=Path, default=REPORT, help=f"report file (default {REPORT.name} beside this file)")
+    parser.add_argument("--output", type=Path, default=REPORT, help=f"report file (default docs/bench/{REPORT.name})")
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(chosen) - set(SECTIONS)
