@@ -13,6 +13,7 @@ import gc
 import logging
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from . import __version__, native
@@ -28,7 +29,11 @@ EXIT_CONFIG = 2
 
 
 def _store_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML settings file (default: config/kvwarm.toml)")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML settings file (default: none; the built-in defaults, then KVWARM_* variables and flags)",
+    )
     p.add_argument(
         "--store",
         metavar="BACKEND",
@@ -36,12 +41,57 @@ def _store_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def version() -> str:
+    """The installed distribution's version; in a source checkout that was never installed (on
+    ``PYTHONPATH``), the package's own ``proxy.__version__``, which pyproject.toml reads too."""
+    try:
+        return metadata.version("kvwarm")
+    except metadata.PackageNotFoundError:
+        return f"{__version__} (not installed)"
+
+
+def _sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``upstream-sim`` subcommand and its flags."""
+    sim = sub.add_parser(
+        "upstream-sim",
+        help="run the reference upstream (an OpenAI-compatible provider emulator)",
+        description="Run the reference upstream: an OpenAI-compatible provider emulator with a prefix cache.",
+    )
+    sim.add_argument("--host", metavar="H", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    sim.add_argument("--port", metavar="P", type=int, default=8090, help="listen port (default 8090)")
+    sim.add_argument(
+        "--cache",
+        choices=("openai", "vllm", "openai-breakpoints", "anthropic"),
+        default="openai",
+        help="prompt-cache mode (default openai): openai (128-token steps from 1024 tokens, prompts only), "
+        "vllm (16-token blocks, replies cached too), openai-breakpoints (GPT-5.6 cache breakpoints: implicit "
+        "and prompt_cache_breakpoint, writes billed), anthropic (cache_control markers, writes billed)",
+    )
+    sim.add_argument(
+        "--implicit-ttl",
+        metavar="S",
+        type=float,
+        default=None,
+        help="openai-breakpoints: seconds the implicit breakpoint lives (default: the request's ttl, 30 minutes)",
+    )
+    sim.add_argument(
+        "--anthropic-usage",
+        action="store_true",
+        help="also report cache_read_input_tokens / cache_creation_input_tokens in chat usage",
+    )
+    sim.add_argument("--openhuman", action="store_true", help="add openhuman.usage / openhuman.billing blocks")
+    sim.add_argument("--ttft-per-token", metavar="S", type=float, default=0.0, help="seconds of time-to-first-token per uncached prompt token")
+    sim.add_argument("--chunk-delay", metavar="S", type=float, default=0.0, help="seconds between streamed chunks")
+    sim.add_argument("--kv-capacity-tokens", metavar="N", type=int, default=None, help="bound the prefix cache to N tokens of KV blocks (breakpoint modes: of written prefixes), least recently used evicted first (default: practically unbounded, 200000 blocks)")
+    sim.set_defaults(func=cmd_sim)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvwarm",
         description="A caching reverse proxy for OpenAI-compatible APIs that keeps the provider's prompt cache warm.",
     )
-    parser.add_argument("--version", action="version", version=f"kvwarm {__version__}")
+    parser.add_argument("--version", action="version", version=f"kvwarm {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the proxy", description="Run the proxy.")
@@ -66,19 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=cmd_serve)
 
-    sim = sub.add_parser(
-        "upstream-sim",
-        help="run the reference upstream (an OpenAI-compatible provider emulator)",
-        description="Run the reference upstream: an OpenAI-compatible provider emulator with a prefix cache.",
-    )
-    sim.add_argument("--host", metavar="H", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    sim.add_argument("--port", metavar="P", type=int, default=8090, help="listen port (default 8090)")
-    sim.add_argument("--cache", choices=("openai", "vllm"), default="openai", help="prefix-cache mode (default openai)")
-    sim.add_argument("--openhuman", action="store_true", help="add openhuman.usage / openhuman.billing blocks")
-    sim.add_argument("--ttft-per-token", metavar="S", type=float, default=0.0, help="seconds of time-to-first-token per uncached prompt token")
-    sim.add_argument("--chunk-delay", metavar="S", type=float, default=0.0, help="seconds between streamed chunks")
-    sim.add_argument("--kv-capacity-tokens", metavar="N", type=int, default=None, help="bound the prefix cache to N tokens of KV blocks, least recently used evicted first (default: practically unbounded, 200000 blocks)")
-    sim.set_defaults(func=cmd_sim)
+    _sim_parser(sub)
 
     sessions = sub.add_parser("sessions", help="list stored sessions", description="List stored sessions.")
     _store_flags(sessions)
@@ -250,6 +288,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
             ttft_per_uncached_token=args.ttft_per_token,
             chunk_delay=args.chunk_delay,
             kv_capacity_tokens=args.kv_capacity_tokens,
+            implicit_ttl_seconds=args.implicit_ttl,
+            anthropic_usage=args.anthropic_usage,
         )
     except ValueError as exc:
         raise ConfigError("upstream-sim", str(exc)) from None

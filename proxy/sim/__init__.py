@@ -1,10 +1,16 @@
 """The reference upstream: a small OpenAI-compatible provider emulator for tests, benchmarks and demos.
 
 - :mod:`.state` — configuration (:class:`SimConfig`) and what the emulator remembers;
+- :mod:`.clock` — the clock every TTL runs on, which tests and the bench can advance;
 - :mod:`.render` — the chat template (messages and tools -> prompt text -> tokens);
 - :mod:`.items` — the Responses API's input items, instructions and tools -> the chat template;
-- :mod:`.prompt` — a rendered prompt (tokens, block hashes, seed) and request parsing;
-- :mod:`.cache` — the prefix cache (chained block hashes, LRU bounded by capacity, TTL);
+- :mod:`.prompt` — a rendered prompt (tokens, block hashes or cache plan, seed) and request parsing;
+- :mod:`.cache` — the block cache of the ``openai`` and ``vllm`` modes (chained block hashes,
+  LRU bounded by capacity, TTL);
+- :mod:`.markers` / :mod:`.layout` / :mod:`.breakpoint_cache` — the breakpoint modes
+  (``openai-breakpoints``, ``anthropic``): cache markers and the plan they make, where each
+  marked block ends in tokens, the written prefixes;
+- :mod:`.diagnostics` — ``prompt_cache_diagnostics`` (openai-breakpoints, Responses);
 - :mod:`.engine` — prefill against the cache, time to first token, KV of generated tokens;
 - :mod:`.replies` — chat replies: deterministic messages, tool calls and their stream deltas;
 - :mod:`.script` — the Responses script: one tool call, then a final message;
@@ -23,6 +29,7 @@ Start one with ``web.run_app(create_sim_app(SimConfig(...)), host=..., port=...)
 
 from __future__ import annotations
 
+from .clock import SimClock
 from .server import (
     SIM_STATE,
     ReceivedRequest,
@@ -36,6 +43,7 @@ from .server import (
 __all__ = [
     "SIM_STATE",
     "ReceivedRequest",
+    "SimClock",
     "SimConfig",
     "SimState",
     "create_sim_app",

@@ -30,7 +30,9 @@ modes:
 
 Decisions (each tested):
 
-- **Item ``id`` and ``status`` never render**, nor does ``call_id``: no real
+- **Item ``id`` and ``status`` never render**, nor do ``call_id`` and cache markers
+  (``cache_control``, ``prompt_cache_breakpoint``: they stay on the messages and
+  parts, for :mod:`.markers`, and render nothing): no real
   template renders them (chat's tool-call ids do not render either), so ids
   regenerated between turns cost no cache, while a changed text or argument
   string does. The one exception is resolution, not rendering: an
@@ -58,7 +60,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .render import Segment, render_content, render_segments
+from .render import MARKER_KEYS, Segment, render_content, render_segments
 from .sealed import open_sealed
 
 MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
@@ -70,7 +72,7 @@ _PAIRED_CALLS = {
     "function_call_output": "function_call",
     "custom_tool_call_output": "custom_tool_call",
 }
-_UNRENDERED_KEYS = frozenset({"id", "status"})
+_UNRENDERED_KEYS = frozenset({"id", "status", *MARKER_KEYS})
 
 
 class InputError(ValueError):
@@ -214,7 +216,7 @@ class _Conversation:
             raise InputError(f"{where} has no 'type'", f"{where}.type")
         else:
             body = {k: v for k, v in item.items() if k not in _UNRENDERED_KEYS}
-            self.add({"role": kind, "content": _compact(body)})
+            self.add(_marked(item, {"role": kind, "content": _compact(body)}))
 
     def finish(self) -> list[dict[str, Any]]:
         self._close_turn()
@@ -238,7 +240,8 @@ class _Conversation:
             if text:
                 self._texts.append(text)
             return
-        self.add({"role": role, "content": text})
+        # The parts themselves (they render as ``text`` does) keep their cache markers.
+        self.add(_marked(item, {"role": role, "content": content if text else text}))
 
     def _add_call(self, kind: str, item: Mapping[str, Any], where: str) -> None:
         call_id = item.get("call_id")
@@ -265,13 +268,14 @@ class _Conversation:
             raise InputError(
                 f"No tool call found for {kind.replace('_', ' ')} with call_id {call_id}.", "input"
             )
+        output = item.get("output")
         try:
-            output = render_content(item.get("output"))
+            text = render_content(output)
         except ValueError:
             raise InputError(
                 f"{where}.output must be a string or a list of parts", f"{where}.output"
             ) from None
-        self.add({"role": "tool", "content": output})
+        self.add(_marked(item, {"role": "tool", "content": output if text else text}))
 
     def _close_turn(self) -> None:
         if self._reasoning or self._texts or self._calls:
@@ -279,6 +283,14 @@ class _Conversation:
             reasoning = "\n\n".join(self._reasoning) if self._reasoning else None
             self._messages.append(assistant_message(reasoning, text, self._calls))
         self._reasoning, self._texts, self._calls = [], [], []
+
+
+def _marked(item: Mapping[str, Any], message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with ``item``'s cache markers (they mark its last block, :mod:`.layout`)."""
+    for key in MARKER_KEYS:
+        if key in item:
+            message[key] = item[key]
+    return message
 
 
 def _compact(value: Any) -> str:

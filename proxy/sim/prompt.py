@@ -11,12 +11,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from . import markers
+from .breakpoint_cache import token_bytes
 from .cache import block_hashes
-from .render import Segment, encode_segments, segments_text
+from .layout import layout
+from .markers import CachePlan
+from .render import Segment, encode_with_starts, render_segments, segments_text
+from .state import MODEL_ID, SimConfig
 
 THREAD_THRESHOLD_BYTES = 20_000
 """Bodies larger than this are parsed, rendered, tokenized and block-hashed in a worker thread."""
@@ -36,9 +41,13 @@ class Prompt:
     segments: list[Segment]
     tokens: list[int]
     hashes: list[bytes]
-    """Chained block hashes of ``tokens`` (for the prefix cache)."""
+    """Chained block hashes of ``tokens`` (for the block cache; empty in the breakpoint modes)."""
     seed: bytes
     """Hash of the prompt text: what makes the reply deterministic."""
+    starts: list[int]
+    """Where each segment starts in ``tokens``."""
+    plan: CachePlan | None = None
+    """What the request asks of the breakpoint cache (breakpoint modes)."""
 
 
 def load_json(body: bytes) -> dict[str, Any]:
@@ -54,16 +63,51 @@ def load_json(body: bytes) -> dict[str, Any]:
     return request
 
 
-def make_prompt(request: dict[str, Any], segments: list[Segment], block_size: int) -> Prompt:
-    """Tokenize and block-hash ``segments``, the rendering of ``request``."""
-    tokens = encode_segments(segments)
+def make_prompt(
+    request: dict[str, Any], segments: list[Segment], block_size: int | None
+) -> Prompt:
+    """Tokenize and block-hash ``segments``, the rendering of ``request`` (``block_size``
+    ``None``: no block hashes, for the breakpoint modes)."""
+    tokens, starts = encode_with_starts(segments)
     return Prompt(
         request=request,
         segments=segments,
         tokens=tokens,
-        hashes=block_hashes(tokens, block_size),
+        hashes=block_hashes(tokens, block_size) if block_size is not None else [],
         seed=hashlib.sha256(segments_text(segments).encode()).digest(),
+        starts=starts,
     )
+
+
+def build_prompt(
+    config: SimConfig,
+    request: dict[str, Any],
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Any] | None,
+    *,
+    responses: bool = False,
+) -> Prompt:
+    """The prompt of ``request``, whose template input is ``messages`` and ``tools``; in the
+    breakpoint modes, with its cache plan. ``ValueError`` (:class:`.markers.MarkerError`,
+    naming the field) for a request the template or the mode refuses."""
+    if config.breakpoints:
+        check = markers.check_responses if responses else markers.check_chat
+        check(config.cache_mode, request)
+    segments = render_segments(messages, tools)
+    prompt = make_prompt(request, segments, None if config.breakpoints else config.block_size)
+    if not config.breakpoints:
+        return prompt
+    model = request.get("model")
+    plan = markers.plan(
+        config.cache_mode,
+        request,
+        layout(messages, tools, prompt.segments, prompt.tokens, prompt.starts),
+        token_bytes(prompt.tokens),
+        model=model if isinstance(model, str) and model else MODEL_ID,
+        implicit_ttl=config.implicit_ttl_seconds,
+        responses=responses,
+    )
+    return replace(prompt, plan=plan)
 
 
 async def off_loop(size: int, function: Callable[..., T], *args: Any) -> T:

@@ -10,8 +10,10 @@ It is faithful where prompt caching cares:
 
 - ``content`` as a string and as a list holding one text part render the same;
   ``null`` / absent / ``[]`` / ``""`` fields render nothing, and so do fields the
-  template does not know (``refusal``, ``annotations``, ``cache_control``,
-  ``tool_calls[i].index``, tool-call ids, ...);
+  template does not know (``refusal``, ``annotations``, ``tool_calls[i].index``,
+  tool-call ids, ...); cache markers (``cache_control``,
+  ``prompt_cache_breakpoint``) render nothing wherever they sit, a tool's
+  top-level included, so a marked prompt has the tokens of the unmarked one;
 - texts are rendered as they are (whitespace included), tool-call ``arguments``
   strings raw (``{"a":1}`` and ``{"a": 1}`` differ), tools one per line as
   compact JSON in the client's order and with the client's key order;
@@ -53,6 +55,9 @@ Segment = str | int
 IMAGE_PLACEHOLDER = "<image>"
 AUDIO_PLACEHOLDER = "<audio>"
 FILE_PLACEHOLDER = "<file>"
+
+MARKER_KEYS = frozenset({"cache_control", "prompt_cache_breakpoint"})
+"""Cache markers: they say where a prompt's prefix may be cached, and render nothing."""
 
 _TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
 _IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
@@ -127,14 +132,26 @@ def reply_segments(message: Mapping[str, Any]) -> list[Segment]:
 
 def message_body(message: Mapping[str, Any]) -> str:
     """The text between a message's header and its ``<|im_end|>``."""
-    parts: list[str] = []
+    return "".join(text for text, _ in body_pieces(message))
+
+
+def body_pieces(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """:func:`message_body` in pieces, each with what it renders: ``(text, source)``.
+
+    The source of a content part's piece is the part (a string ``content`` is
+    one piece whose source is the string), of a tool call's piece the call; the
+    reasoning and the newlines between pieces have ``None``. Cache markers
+    (:mod:`.layout`) point at these sources; the text is the same either way.
+    """
+    pieces: list[tuple[str, Any]] = []
     reasoning = message.get("reasoning_content")
     if reasoning is None:
         reasoning = message.get("reasoning")
     if isinstance(reasoning, str) and reasoning:
-        parts.append(f"<think>\n{reasoning}\n</think>\n\n")
-    content = render_content(message.get("content"))
-    parts.append(content)
+        pieces.append((f"<think>\n{reasoning}\n</think>\n\n", None))
+    content = content_pieces(message.get("content"))
+    pieces += content
+    has_content = any(text for text, _ in content)
     calls: list[Any] = []
     tool_calls = message.get("tool_calls")
     if tool_calls is not None:
@@ -145,20 +162,25 @@ def message_body(message: Mapping[str, Any]) -> str:
     if function_call:
         calls.append({"function": function_call})
     for position, call in enumerate(calls):
-        if position > 0 or content:
-            parts.append("\n")
-        parts.append(_render_tool_call(call))
-    return "".join(parts)
+        if position > 0 or has_content:
+            pieces.append(("\n", None))
+        pieces.append((_render_tool_call(call), call))
+    return pieces
 
 
 def render_content(content: Any) -> str:
     """A ``content`` value: a string as is; a list of parts concatenated; ``null`` as nothing."""
+    return "".join(text for text, _ in content_pieces(content))
+
+
+def content_pieces(content: Any) -> list[tuple[str, Any]]:
+    """:func:`render_content` part by part: ``(text, part)``; a non-empty string is one piece."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [(content, content)] if content else []
     if isinstance(content, list):
-        return "".join(_render_part(part) for part in content)
+        return [(_render_part(part), part) for part in content]
     raise ValueError("'content' must be a string, a list of parts or null")
 
 
@@ -169,14 +191,21 @@ def segments_text(segments: Iterable[Segment]) -> str:
 
 def encode_segments(segments: Iterable[Segment]) -> list[int]:
     """Tokens of the segments: each text segment tokenized on its own, special tokens as ids."""
+    return encode_with_starts(segments)[0]
+
+
+def encode_with_starts(segments: Iterable[Segment]) -> tuple[list[int], list[int]]:
+    """:func:`encode_segments`, and the index in the tokens where each segment starts."""
     encoding = get_encoding()
     tokens: list[int] = []
+    starts: list[int] = []
     for segment in segments:
+        starts.append(len(tokens))
         if isinstance(segment, int):
             tokens.append(segment)
         elif segment:
             tokens += encoding.encode_ordinary(segment)
-    return tokens
+    return tokens, starts
 
 
 def render(
@@ -210,10 +239,24 @@ def _block(header: str, body: str) -> list[Segment]:
 
 
 def _render_tools(tools: Sequence[Any]) -> str:
-    # Compact JSON in the client's key order; non-ASCII kept as is. The stdlib
-    # encoder (unlike orjson) keeps integers beyond 64 bits exact.
-    lines = [json.dumps(tool, ensure_ascii=False, separators=(",", ":")) for tool in tools]
-    return _TOOLS_HEADER + "".join("\n" + line for line in lines) + _TOOLS_FOOTER
+    return "".join(text for text, _ in tools_pieces(tools))
+
+
+def tools_pieces(tools: Sequence[Any]) -> list[tuple[str, Any]]:
+    """The tools block's body in pieces: the header, ``(line, tool)`` per tool, the footer.
+
+    Compact JSON in the client's key order; non-ASCII kept as is. The stdlib
+    encoder (unlike orjson) keeps integers beyond 64 bits exact. A tool's cache
+    markers (``cache_control``, ``prompt_cache_breakpoint``) render nothing.
+    """
+    pieces: list[tuple[str, Any]] = [(_TOOLS_HEADER, None)]
+    for tool in tools:
+        shown = tool
+        if isinstance(tool, Mapping) and not MARKER_KEYS.isdisjoint(tool):
+            shown = {key: value for key, value in tool.items() if key not in MARKER_KEYS}
+        pieces.append(("\n" + json.dumps(shown, ensure_ascii=False, separators=(",", ":")), tool))
+    pieces.append((_TOOLS_FOOTER, None))
+    return pieces
 
 
 def _render_tool_call(call: Any) -> str:

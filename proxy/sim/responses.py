@@ -13,11 +13,15 @@ One request, in order:
    (:mod:`.engine`); the time to first token grows with the uncached tokens;
 4. the model's turn is planned (:mod:`.script`) and returned as a ``response``
    object (:mod:`.outputs`) or as SSE events (:mod:`.events`), with ``usage``
-   (``input_tokens_details.cached_tokens``, ``output_tokens_details.reasoning_tokens``)
-   and, when configured, ``openhuman``;
+   (``input_tokens_details.cached_tokens`` and ``cache_write_tokens``,
+   ``output_tokens_details.reasoning_tokens``) and, when configured,
+   ``openhuman``; in openai-breakpoints mode also the ``prompt_cache_options``
+   applied and, when ``comparison_response_id`` asked for them,
+   ``prompt_cache_diagnostics`` (:mod:`.diagnostics`);
 5. the response is stored unless ``store`` is ``false`` (and, in vLLM mode, the
-   generated turn's tokens cached) before the client can read its last event,
-   so the next turn finds both. A stream cut short by ``reset_after`` stores
+   generated turn's tokens cached; in openai-breakpoints mode its cache
+   fingerprint kept, stored or not) before the client can read its last event,
+   so the next turn finds them. A stream cut short by ``reset_after`` stores
    and caches nothing.
 
 Errors are OpenAI-shaped: 400 ``previous_response_not_found`` for an unknown
@@ -37,17 +41,17 @@ from typing import Any
 from aiohttp import web
 
 from .accounting import Accounting
-from .engine import keep_generated, prefill, time_to_first_token
+from .engine import CacheUse, keep_generated, prefill, time_to_first_token
 from .events import response_events
 from .faults import drop_connection
-from .items import InputError, check_tools, input_items, render_response_segments
+from .items import InputError, check_tools, input_items, to_messages
 from .outputs import new_id, output_items, response_object
 from .prompt import (
     THREAD_THRESHOLD_BYTES,
     InvalidJSON,
     Prompt,
+    build_prompt,
     load_json,
-    make_prompt,
     off_loop,
 )
 from .render import encode_segments, reply_segments
@@ -58,7 +62,7 @@ from .response_store import (
     resolve_input,
 )
 from .script import Turn, plan_turn
-from .state import MODEL_ID, SIM_STATE, ReceivedRequest, SimState
+from .state import MODEL_ID, SIM_STATE, ReceivedRequest, SimConfig, SimState
 from .steering import Steering
 from .wire import error_response, fault_response, json_response, write_events
 
@@ -114,7 +118,7 @@ async def _prepare(
         items = resolve_input(state.responses, input_items(parsed.get("input")), previous)
         # A chained request's prompt can be much bigger than its body: render it off the loop.
         size = len(body) if previous is None else max(len(body), THREAD_THRESHOLD_BYTES + 1)
-        prompt = await off_loop(size, render_prompt, parsed, items, state.cache.block_size)
+        prompt = await off_loop(size, render_prompt, parsed, items, state.config)
     except InvalidJSON as exc:
         return error_response(400, str(exc), code="invalid_json")
     except InputError as exc:
@@ -136,15 +140,16 @@ async def _prepare(
 
 
 def render_prompt(
-    request: dict[str, Any], items: Sequence[Mapping[str, Any]], block_size: int
+    request: dict[str, Any], items: Sequence[Mapping[str, Any]], config: SimConfig
 ) -> Prompt:
-    """Render, tokenize and block-hash a Responses request whose effective input is ``items``.
+    """Render, tokenize and block-hash (or cache-plan) a Responses request whose effective
+    input is ``items``.
 
     CPU work: the handler runs it in a worker thread for big bodies.
     """
     tools = check_tools(request.get("tools"))
-    segments = render_response_segments(request.get("instructions"), items, tools)
-    return make_prompt(request, segments, block_size)
+    messages = to_messages(request.get("instructions"), items)
+    return build_prompt(config, request, messages, tools, responses=True)
 
 
 async def _answer(
@@ -154,7 +159,7 @@ async def _answer(
     prompt: Prompt,
     items: Sequence[Mapping[str, Any]],
 ) -> web.StreamResponse:
-    cached = prefill(state, prompt)
+    use = prefill(state, prompt)
     turn = plan_turn(
         prompt.request,
         items,
@@ -164,15 +169,19 @@ async def _answer(
         tool_calls=steering.tool_calls,
     )
     reply_tail = reply_segments(turn.message())
-    accounting = _accounting(prompt, cached, turn, reply_tail[:1])
-    ttft = time_to_first_token(state.config, len(prompt.tokens), cached)
+    accounting = _accounting(state.config, prompt, use, turn, reply_tail[:1])
+    ttft = time_to_first_token(state.config, len(prompt.tokens), use.cached)
     if ttft:
         await asyncio.sleep(ttft)
     parsed = prompt.request
     outputs = output_items(turn, parsed.get("include"))
     model = parsed.get("model")
     header = _Header(
-        new_id("resp_"), int(time.time()), model if isinstance(model, str) and model else MODEL_ID
+        new_id("resp_"),
+        int(time.time()),
+        model if isinstance(model, str) and model else MODEL_ID,
+        prompt.plan.options if prompt.plan is not None else None,
+        use.diagnostics,
     )
     completed = header.response(parsed, "completed", outputs.public, accounting.response_usage())
     if state.config.openhuman:
@@ -180,6 +189,8 @@ async def _answer(
 
     def commit() -> None:
         keep_generated(state, prompt, reply_tail)
+        if use.fingerprint is not None:
+            state.fingerprints.put(header.id, use.fingerprint)
         if parsed.get("store") is not False:
             stored = StoredResponse(header.id, tuple(items), tuple(outputs.stored), completed)
             state.responses.put(stored)
@@ -202,11 +213,15 @@ async def _answer(
 
 @dataclass(frozen=True, slots=True)
 class _Header:
-    """What every version of one response shares: id, creation time, model."""
+    """What every version of one response shares: id, creation time, model, cache report."""
 
     id: str
     created_at: int
     model: str
+    cache_options: Mapping[str, Any] | None = None
+    """The ``prompt_cache_options`` applied (openai-breakpoints mode), echoed."""
+    diagnostics: Mapping[str, Any] | None = None
+    """``prompt_cache_diagnostics``, when asked for (on the completed response)."""
 
     def response(
         self,
@@ -215,7 +230,7 @@ class _Header:
         output: Sequence[Mapping[str, Any]],
         usage: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
-        return response_object(
+        response = response_object(
             request,
             response_id=self.id,
             created_at=self.created_at,
@@ -224,14 +239,22 @@ class _Header:
             output=output,
             usage=usage,
         )
+        if self.cache_options is not None:
+            response["prompt_cache_options"] = dict(self.cache_options)
+        if self.diagnostics is not None and status == "completed":
+            response["prompt_cache_diagnostics"] = dict(self.diagnostics)
+        return response
 
 
-def _accounting(prompt: Prompt, cached: int, turn: Turn, body: Sequence[Any]) -> Accounting:
+def _accounting(
+    config: SimConfig, prompt: Prompt, use: CacheUse, turn: Turn, body: Sequence[Any]
+) -> Accounting:
     # Output tokens: the generated body as it renders (reasoning, text, calls),
     # counted as the chat endpoint counts a reply.
-    return Accounting(
+    return Accounting.of(
+        config,
+        use,
         prompt_tokens=len(prompt.tokens),
-        cached_tokens=cached,
         completion_tokens=len(encode_segments(body)),
         reasoning_tokens=len(encode_segments([turn.reasoning or ""])),
     )

@@ -11,8 +11,12 @@ Routes:
 - ``GET /v1/models`` — one model;
 - ``GET /sim/requests`` — the model requests received (chat and Responses,
   each with its ``endpoint``), most recent last;
-- ``POST /sim/reset`` — clears the prefix cache, the stored Responses and the
-  request log.
+- ``POST /sim/reset`` — clears the prompt cache, the stored Responses and the
+  request log;
+- ``GET /sim/clock``, ``POST /sim/clock {"advance": seconds}`` — the emulator's
+  clock (:mod:`.clock`), read or moved forward: every TTL elapses on it, so
+  out-of-process tests and the bench expire cached prefixes without waiting.
+  Answers ``{"now": t, "offset": seconds advanced in all}``.
 
 The ``x-sim-*`` request headers steer one request (:mod:`.steering`): faults,
 reply size, reasoning, compression.
@@ -37,8 +41,9 @@ from aiohttp import web
 from .accounting import Accounting
 from .engine import keep_generated, prefill, time_to_first_token
 from .faults import FAULT_HEADER, Faults, drop_connection
-from .prompt import InvalidJSON, Prompt, load_json, make_prompt, off_loop
-from .render import encode_segments, get_encoding, render_segments, reply_segments
+from .items import InputError
+from .prompt import InvalidJSON, Prompt, build_prompt, load_json, off_loop
+from .render import encode_segments, get_encoding, reply_segments
 from .replies import Reply, make_reply, reply_deltas
 from .responses import create_response, retrieve_response
 from .state import (
@@ -90,6 +95,8 @@ def create_sim_app(config: SimConfig | None = None) -> web.Application:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/sim/requests", list_requests)
     app.router.add_post("/sim/reset", reset)
+    app.router.add_get("/sim/clock", read_clock)
+    app.router.add_post("/sim/clock", advance_clock)
     app.on_startup.append(_load_encoding)
     return app
 
@@ -139,13 +146,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if faults.status is not None:
         return fault_response(faults)
     try:
-        prompt = await off_loop(len(body), parse_prompt, body, state.cache.block_size)
+        prompt = await off_loop(len(body), parse_prompt, body, config)
     except InvalidJSON as exc:
         return error_response(400, str(exc), code="invalid_json")
+    except InputError as exc:
+        return error_response(400, str(exc), code="invalid_request", param=exc.param)
     except ValueError as exc:
         return error_response(400, str(exc), code="invalid_request")
 
-    cached = prefill(state, prompt)
+    use = prefill(state, prompt)
     reply = make_reply(
         prompt.request,
         prompt.seed,
@@ -153,13 +162,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         reasoning=steering.reasoning,
     )
     reply_tail = reply_segments(reply.message())
-    accounting = Accounting(
+    accounting = Accounting.of(
+        config,
+        use,
         prompt_tokens=len(prompt.tokens),
-        cached_tokens=cached,
         completion_tokens=len(encode_segments(reply_tail[:1])),
         reasoning_tokens=len(encode_segments([reply.reasoning_content or ""])),
     )
-    ttft = time_to_first_token(config, len(prompt.tokens), cached)
+    ttft = time_to_first_token(config, len(prompt.tokens), use.cached)
     if ttft:
         await asyncio.sleep(ttft)
 
@@ -215,8 +225,31 @@ async def reset(request: web.Request) -> web.Response:
     return json_response({"reset": True})
 
 
-def parse_prompt(body: bytes, block_size: int) -> Prompt:
-    """Parse, validate, render, tokenize and block-hash a chat request.
+async def read_clock(request: web.Request) -> web.Response:
+    """``GET /sim/clock``: the emulator's time and how far it has been advanced."""
+    clock = request.app[SIM_STATE].clock
+    return json_response({"now": clock(), "offset": clock.offset})
+
+
+async def advance_clock(request: web.Request) -> web.Response:
+    """``POST /sim/clock {"advance": seconds}``: move the emulator's clock forward."""
+    clock = request.app[SIM_STATE].clock
+    try:
+        body = load_json(await request.read() or b"{}")
+    except ValueError as exc:
+        return error_response(400, str(exc), code="invalid_json")
+    seconds = body.get("advance", 0)
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        return error_response(400, "'advance' must be a number of seconds", param="advance")
+    try:
+        clock.advance(float(seconds))
+    except ValueError as exc:
+        return error_response(400, str(exc), param="advance")
+    return json_response({"now": clock(), "offset": clock.offset})
+
+
+def parse_prompt(body: bytes, config: SimConfig) -> Prompt:
+    """Parse, validate, render, tokenize and block-hash (or cache-plan) a chat request.
 
     CPU work: the handler runs it in a worker thread for big bodies.
     """
@@ -227,7 +260,7 @@ def parse_prompt(body: bytes, block_size: int) -> Prompt:
     tools = request.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ValueError("'tools' must be a list")
-    return make_prompt(request, render_segments(messages, tools), block_size)
+    return build_prompt(config, request, messages, tools)
 
 
 def _received(request: web.Request, body: bytes, endpoint: str) -> ReceivedRequest:

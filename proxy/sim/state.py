@@ -1,26 +1,32 @@
 """The reference upstream's configuration and memory: :class:`SimConfig`, :class:`SimState`.
 
 One :class:`SimState` per app (under :data:`SIM_STATE`) holds everything the
-emulated provider remembers: one prefix cache shared by every endpoint (one
-engine serves chat and Responses alike), the request log, and the stored
-Responses (``store: true``) that ``previous_response_id`` refers to.
+emulated provider remembers: one prompt cache shared by every endpoint (one
+engine serves chat and Responses alike) -- the block cache in the ``openai``
+and ``vllm`` modes, the breakpoint cache in the breakpoint modes -- the
+request log, the stored Responses (``store: true``) that
+``previous_response_id`` refers to, and the clock every TTL runs on.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from .breakpoint_cache import BreakpointCache
 from .cache import PrefixCache
+from .clock import SimClock
+from .diagnostics import Fingerprints
+from .markers import ANTHROPIC, BREAKPOINT_MODES, OPENAI_BREAKPOINTS, OPENAI_WINDOW
 from .response_store import ResponseStore
 
-CACHE_MODES = ("openai", "vllm")
-BLOCK_SIZES = {"openai": 128, "vllm": 16}
-"""Tokens per prefix-cache block in each cache mode."""
-MIN_CACHED_TOKENS = {"openai": 1024, "vllm": 0}
+BLOCK_MODES = ("openai", "vllm")
+CACHE_MODES = (*BLOCK_MODES, *BREAKPOINT_MODES)
+BLOCK_SIZES = {"openai": 128, "vllm": 16, OPENAI_BREAKPOINTS: 1, ANTHROPIC: 1}
+"""Tokens per prefix-cache block in each cache mode (the breakpoint modes cache exact
+prefixes: a breakpoint is never rounded to a block)."""
+MIN_CACHED_TOKENS = {"openai": 1024, "vllm": 0, OPENAI_BREAKPOINTS: 1024, ANTHROPIC: 1024}
 """Shortest prompt the cache serves in each mode (OpenAI: no hit below 1024 tokens)."""
 REQUEST_LOG_SIZE = 1000
 MODEL_ID = "kvwarm-sim"
@@ -32,18 +38,22 @@ class SimConfig:
     """How the reference upstream behaves."""
 
     cache_mode: str = "openai"
-    """``"openai"`` (128-token blocks, hits from 1024 tokens, prompts only) or
-    ``"vllm"`` (16-token blocks, the generated reply is cached too)."""
+    """``"openai"`` (128-token blocks, hits from 1024 tokens, prompts only),
+    ``"vllm"`` (16-token blocks, the generated reply is cached too), or a breakpoint
+    mode (:mod:`.markers`): ``"openai-breakpoints"`` (GPT-5.6 cache breakpoints,
+    implicit and explicit) or ``"anthropic"`` (``cache_control`` markers)."""
     openhuman: bool = False
     """Add ``openhuman.usage`` / ``openhuman.billing`` blocks."""
     ttl_seconds: float = 3600.0
-    """Prefix-cache TTL since last use."""
+    """Block-cache TTL since last use (``openai`` and ``vllm`` modes; in the breakpoint
+    modes each prefix has the TTL its request gave it)."""
     capacity_blocks: int = 200_000
     """LRU bound of the prefix cache, in blocks (used when ``kv_capacity_tokens`` is unset)."""
     kv_capacity_tokens: int | None = None
     """LRU bound of the prefix cache in tokens: it holds at most this many tokens' worth of
-    blocks (``kv_capacity_tokens // block size``), as an engine's KV memory does. ``None``:
-    ``capacity_blocks`` (practically unbounded)."""
+    blocks (``kv_capacity_tokens // block size``), as an engine's KV memory does; in the
+    breakpoint modes, the written prefixes' lengths summed. ``None``: ``capacity_blocks``
+    (practically unbounded)."""
     stored_responses: int = 1000
     """How many ``store: true`` Responses are kept for ``previous_response_id`` (oldest go first)."""
     ttft_base: float = 0.0
@@ -55,9 +65,21 @@ class SimConfig:
     price_input: float = 2.5
     """USD per 1M uncached input tokens (openhuman billing)."""
     price_cached_input: float = 1.25
-    """USD per 1M cached input tokens."""
+    """USD per 1M cached input tokens (block modes; the breakpoint modes bill a read at a
+    tenth of ``price_input`` and a write at a multiple of it: :mod:`.accounting`)."""
     price_output: float = 10.0
     """USD per 1M output tokens."""
+    implicit_ttl_seconds: float | None = None
+    """openai-breakpoints mode: the TTL of the implicit breakpoint. ``None``: the request's
+    ``prompt_cache_options.ttl`` (30 minutes by default), as OpenAI documents for implicit
+    and explicit breakpoints alike; set it (say 300) for an implicit cache that lives
+    shorter than explicit breakpoints."""
+    anthropic_usage: bool = False
+    """Also report Anthropic's ``cache_read_input_tokens`` / ``cache_creation_input_tokens``
+    in chat ``usage``, beside ``prompt_tokens_details`` (as some OpenRouter routes do)."""
+    clock: SimClock | None = field(default=None, compare=False)
+    """The clock every TTL runs on. ``None``: a fresh :class:`.clock.SimClock` (monotonic
+    time, moved forward only by ``POST /sim/clock``). Hand one in to advance it in-process."""
 
     def __post_init__(self) -> None:
         if self.cache_mode not in CACHE_MODES:
@@ -73,11 +95,18 @@ class SimConfig:
             )
         if self.stored_responses < 0:
             raise ValueError("stored_responses must be >= 0")
+        if self.implicit_ttl_seconds is not None and not self.implicit_ttl_seconds > 0:
+            raise ValueError("implicit_ttl_seconds must be > 0")
 
     @property
     def block_size(self) -> int:
         """Tokens per prefix-cache block in this cache mode."""
         return BLOCK_SIZES[self.cache_mode]
+
+    @property
+    def breakpoints(self) -> bool:
+        """A breakpoint mode: prefixes are cached where markers say (:mod:`.markers`)."""
+        return self.cache_mode in BREAKPOINT_MODES
 
     @property
     def cache_blocks(self) -> int:
@@ -88,13 +117,21 @@ class SimConfig:
 
 
 def cache_for(config: SimConfig) -> PrefixCache:
-    """The prefix cache of ``config.cache_mode``, bounded as configured."""
+    """The block cache of ``config.cache_mode``, bounded as configured (idle in the breakpoint
+    modes)."""
     return PrefixCache(
         config.block_size,
         MIN_CACHED_TOKENS[config.cache_mode],
         config.ttl_seconds,
         config.cache_blocks,
     )
+
+
+def breakpoints_for(config: SimConfig) -> BreakpointCache:
+    """The breakpoint cache of ``config.cache_mode`` (idle in the block modes): OpenAI reads a
+    key's 80 most recent prefixes, Anthropic reads at its breakpoints."""
+    window = OPENAI_WINDOW if config.cache_mode == OPENAI_BREAKPOINTS else None
+    return BreakpointCache(window=window, capacity_tokens=config.kv_capacity_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,12 +153,17 @@ class SimState:
 
     config: SimConfig
     cache: PrefixCache
+    """The block cache (``openai`` and ``vllm`` modes)."""
+    breakpoints: BreakpointCache = field(default_factory=BreakpointCache)
+    """The breakpoint cache (breakpoint modes)."""
+    fingerprints: Fingerprints = field(default_factory=Fingerprints)
+    """Responses' cache fingerprints, for ``prompt_cache_diagnostics``."""
     responses: ResponseStore = field(default_factory=ResponseStore)
     """Stored Responses (``store: true``), for ``previous_response_id`` and ``GET``."""
     requests: list[ReceivedRequest] = field(default_factory=list)
     """The last :data:`REQUEST_LOG_SIZE` model requests, most recent last."""
-    clock: Callable[[], float] = time.monotonic
-    """Time source of the prefix cache (replaceable in tests)."""
+    clock: SimClock = field(default_factory=SimClock)
+    """What every TTL runs on (:mod:`.clock`)."""
 
     @classmethod
     def create(cls, config: SimConfig) -> SimState:
@@ -129,7 +171,9 @@ class SimState:
         return cls(
             config=config,
             cache=cache_for(config),
+            breakpoints=breakpoints_for(config),
             responses=ResponseStore(config.stored_responses),
+            clock=config.clock if config.clock is not None else SimClock(),
         )
 
     def record(self, request: ReceivedRequest) -> None:
@@ -138,8 +182,11 @@ class SimState:
             del self.requests[: len(self.requests) - REQUEST_LOG_SIZE]
 
     def reset(self) -> None:
-        """Forget everything: cached blocks, stored Responses, the request log."""
+        """Forget everything: cached blocks and prefixes, stored Responses and their
+        fingerprints, the request log. The clock keeps its time (it never goes back)."""
         self.cache.clear()
+        self.breakpoints.clear()
+        self.fingerprints.clear()
         self.responses.clear()
         self.requests.clear()
 

@@ -504,7 +504,7 @@ async def test_openhuman_is_off_by_default_in_streams(sim_client: ClientFactory)
 
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="cache_mode"):
-        SimConfig(cache_mode="anthropic")
+        SimConfig(cache_mode="gemini")
     with pytest.raises(ValueError, match="chunk_delay"):
         SimConfig(chunk_delay=-1)
     assert create_sim_app(SimConfig(cache_mode="vllm"))[SIM_STATE].cache.block_size == 16
