@@ -1,9 +1,13 @@
 """Token counts of one exchange, and the usage blocks each API reports them in.
 
-The same counts serve both endpoints: chat's ``usage`` (``prompt_tokens``,
+The same counts serve every endpoint: chat's ``usage`` (``prompt_tokens``,
 ``prompt_tokens_details.cached_tokens``, ...), the Responses API's ``usage``
-(``input_tokens``, ``input_tokens_details.cached_tokens``, ...), and the
-``openhuman`` block (usage plus the amount charged at the configured prices).
+(``input_tokens``, ``input_tokens_details.cached_tokens``, ...), the Messages
+API's ``usage`` (Anthropic's: ``input_tokens`` counts only the prompt tokens
+neither read from nor written to the cache, so that ``input_tokens +
+cache_creation_input_tokens + cache_read_input_tokens`` is the whole prompt;
+``cache_creation`` splits the writes by TTL), and the ``openhuman`` block (usage
+plus the amount charged at the configured prices).
 
 In the breakpoint modes a prompt may also write to the cache, and that is
 reported and billed: ``prompt_tokens_details.cache_write_tokens`` (chat, as
@@ -123,6 +127,26 @@ class Accounting:
             "output_tokens": self.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    def messages_usage(self) -> dict[str, Any]:
+        """The Messages API ``usage`` block (Anthropic's).
+
+        The block modes write for free: ``cache_creation_input_tokens`` is 0 and a
+        prompt is read or uncached. The writes' split by TTL is the mode's short and
+        long TTL (anthropic: 5 minutes and an hour).
+        """
+        written, long = self.cache_write_tokens, self.long_write_tokens
+        return {
+            "input_tokens": self.prompt_tokens - self.cached_tokens - written,
+            "cache_creation_input_tokens": written,
+            "cache_read_input_tokens": self.cached_tokens,
+            "cache_creation": {
+                "ephemeral_5m_input_tokens": written - long,
+                "ephemeral_1h_input_tokens": long,
+            },
+            "output_tokens": self.completion_tokens,
+            "service_tier": "standard",
         }
 
     def openhuman(self, config: SimConfig) -> dict[str, Any]:

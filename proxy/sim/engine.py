@@ -12,7 +12,7 @@
   local engine keeps the KV of what it generated, a hosted API caches prompts
   only).
 
-Both endpoints share one cache: one engine serves chat and Responses alike.
+Every endpoint shares one cache: one engine serves chat, Responses and Messages alike.
 Every TTL runs on the state's clock (:mod:`.clock`).
 """
 

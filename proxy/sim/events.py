@@ -70,7 +70,7 @@ def _item_events(index: int, item: Mapping[str, Any]) -> Iterator[dict[str, Any]
         yield from _text_events(where, item)
     elif kind in _CALL_EVENTS:
         event, field = _CALL_EVENTS[kind]
-        for fragment in _chunks(item[field], ARGUMENT_CHARS):
+        for fragment in split_chars(item[field], ARGUMENT_CHARS):
             yield {"type": f"{event}.delta", **where, "delta": fragment}
         yield {"type": f"{event}.done", **where, field: item[field]}
     yield {"type": "response.output_item.done", "output_index": index, "item": item}
@@ -97,7 +97,7 @@ def _text_events(where: dict[str, Any], item: Mapping[str, Any]) -> Iterator[dic
         at = {**where, "content_index": content_index}
         text = part["text"]
         yield {"type": "response.content_part.added", **at, "part": {**part, "text": ""}}
-        for fragment in _words(text, WORDS_PER_DELTA):
+        for fragment in split_words(text, WORDS_PER_DELTA):
             yield {"type": "response.output_text.delta", **at, "delta": fragment, "logprobs": []}
         yield {"type": "response.output_text.done", **at, "text": text, "logprobs": []}
         yield {"type": "response.content_part.done", **at, "part": part}
@@ -112,16 +112,18 @@ def _summary_events(where: dict[str, Any], item: Mapping[str, Any]) -> Iterator[
             **at,
             "part": {"type": "summary_text", "text": ""},
         }
-        for fragment in _words(text, WORDS_PER_DELTA):
+        for fragment in split_words(text, WORDS_PER_DELTA):
             yield {"type": "response.reasoning_summary_text.delta", **at, "delta": fragment}
         yield {"type": "response.reasoning_summary_text.done", **at, "text": text}
         yield {"type": "response.reasoning_summary_part.done", **at, "part": part}
 
 
-def _words(text: str, words: int) -> list[str]:
+def split_words(text: str, words: int) -> list[str]:
+    """``text`` in fragments of ``words`` words each (whitespace kept): they join back to it."""
     pieces = _WORD.findall(text)
     return ["".join(pieces[i : i + words]) for i in range(0, len(pieces), words)]
 
 
-def _chunks(text: str, size: int) -> list[str]:
+def split_chars(text: str, size: int) -> list[str]:
+    """``text`` in fragments of ``size`` characters: they join back to it."""
     return [text[i : i + size] for i in range(0, len(text), size)]

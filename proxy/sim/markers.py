@@ -31,15 +31,18 @@ where they end are :mod:`.layout`'s; the cache that holds the prefixes is
   ``prompt_cache_key``, first 256 tokens) among that key's 80 most recently used,
   whatever block it ends at: no lookback limit.
 
-**anthropic** (``cache_control`` as OpenRouter and DashScope accept it on chat;
-the Responses API is read the same way, except on assistant items, which merge
-into one assistant message and keep no markers):
+**anthropic** (``cache_control`` as Anthropic's Messages API takes it, and as
+OpenRouter and DashScope accept it on chat; the Responses API is read the same
+way, except on assistant items, which merge into one assistant message and keep
+no markers):
 
 - ``"cache_control": {"type": "ephemeral", "ttl"?: "5m" | "1h"}`` on a content
-  part (any role), a tool call, a message (its last block) or a tool (the tool
-  object's top level); at the top level of the request it marks the last block
-  of the prompt (automatic caching) and counts as one of the four, unless that
-  block is marked already.
+  part or block (any role; Messages: a ``system`` block, a ``text`` / ``image``
+  / ``document`` / ``tool_use`` / ``tool_result`` block or a block inside a
+  ``tool_result``, :mod:`.content_blocks`), a tool call, a message (its last
+  block) or a tool (the tool object's top level); at the top level of the
+  request it marks the last block of the prompt (automatic caching) and counts
+  as one of the four, unless that block is marked already.
 - More than four marked blocks: 400, with Anthropic's message.
 - Each breakpoint writes its prefix (at least 1024 tokens) for 5 minutes, or an
   hour with ``"1h"``. A prompt reads the longest written prefix ending at a
@@ -137,6 +140,11 @@ def check_responses(mode: str, request: Mapping[str, Any]) -> None:
     """Refuse the markers and options of a Responses request (its own ``input``, not the
     items ``previous_response_id`` brings, which were checked when they were sent)."""
     _check(mode, request, _response_places(request), tuple(OPENAI_TTLS))
+
+
+def check_messages(mode: str, request: Mapping[str, Any]) -> None:
+    """Refuse the markers and options of a Messages request (Anthropic's API) ``mode`` refuses."""
+    _check(mode, request, _message_places(request), tuple(OPENAI_TTLS))
 
 
 def plan(
@@ -373,6 +381,32 @@ def _response_places(request: Mapping[str, Any]) -> Iterator[Place]:
         items = []  # refused with its own message when the input is read
     yield from _items(items, "input")
     yield from _parts(request.get("tools"), "tools", "tools")
+
+
+def _message_places(request: Mapping[str, Any]) -> Iterator[Place]:
+    """Where a Messages request may carry markers, in Anthropic's paths (``messages.0.content.1``):
+    system blocks, tools, messages, their content blocks and a ``tool_result``'s own blocks."""
+    yield from _blocks(request.get("system"), "system", "system")
+    yield from _blocks(request.get("tools"), "tools", "tools")
+    messages = request.get("messages")
+    for index, message in enumerate(messages if isinstance(messages, list) else ()):
+        if not isinstance(message, Mapping):
+            continue
+        role = message.get("role")
+        role = role if isinstance(role, str) else ""
+        path = f"messages.{index}"
+        yield path, role, message
+        for place in _blocks(message.get("content"), f"{path}.content", role):
+            yield place
+            if place[2].get("type") == "tool_result":
+                yield from _blocks(place[2].get("content"), f"{place[0]}.content", "tool")
+
+
+def _blocks(blocks: Any, path: str, role: str) -> Iterator[Place]:
+    if isinstance(blocks, list):
+        for index, block in enumerate(blocks):
+            if isinstance(block, Mapping):
+                yield f"{path}.{index}", role, block
 
 
 def _items(items: Sequence[Any], name: str) -> Iterator[Place]:

@@ -1,4 +1,4 @@
-"""A rendered prompt as the emulated engine sees it, and the request parsing both endpoints share.
+"""A rendered prompt as the emulated engine sees it, and the request parsing the endpoints share.
 
 :class:`Prompt` holds the template's segments, their tokens, the tokens' chained
 block hashes (the prefix cache's keys) and a seed (the hash of the prompt text)
@@ -22,6 +22,16 @@ from .layout import layout
 from .markers import CachePlan
 from .render import Segment, encode_with_starts, render_segments, segments_text
 from .state import MODEL_ID, SimConfig
+
+CHAT = "chat"
+RESPONSES = "responses"
+MESSAGES = "messages"
+"""The APIs a prompt comes from: each places its cache markers in its own fields."""
+_MARKER_CHECKS = {
+    CHAT: markers.check_chat,
+    RESPONSES: markers.check_responses,
+    MESSAGES: markers.check_messages,
+}
 
 THREAD_THRESHOLD_BYTES = 20_000
 """Bodies larger than this are parsed, rendered, tokenized and block-hashed in a worker thread."""
@@ -85,14 +95,15 @@ def build_prompt(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Any] | None,
     *,
-    responses: bool = False,
+    api: str = CHAT,
 ) -> Prompt:
-    """The prompt of ``request``, whose template input is ``messages`` and ``tools``; in the
+    """The prompt of ``request`` (from ``api``: :data:`CHAT`, :data:`RESPONSES` or
+    :data:`MESSAGES`), whose template input is ``messages`` and ``tools``; in the
     breakpoint modes, with its cache plan. ``ValueError`` (:class:`.markers.MarkerError`,
     naming the field) for a request the template or the mode refuses."""
+    responses = api == RESPONSES
     if config.breakpoints:
-        check = markers.check_responses if responses else markers.check_chat
-        check(config.cache_mode, request)
+        _MARKER_CHECKS[api](config.cache_mode, request)
     segments = render_segments(messages, tools)
     prompt = make_prompt(request, segments, None if config.breakpoints else config.block_size)
     if not config.breakpoints:

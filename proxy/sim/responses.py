@@ -47,6 +47,7 @@ from .faults import drop_connection
 from .items import InputError, check_tools, input_items, to_messages
 from .outputs import new_id, output_items, response_object
 from .prompt import (
+    RESPONSES,
     THREAD_THRESHOLD_BYTES,
     InvalidJSON,
     Prompt,
@@ -149,7 +150,7 @@ def render_prompt(
     """
     tools = check_tools(request.get("tools"))
     messages = to_messages(request.get("instructions"), items)
-    return build_prompt(config, request, messages, tools, responses=True)
+    return build_prompt(config, request, messages, tools, api=RESPONSES)
 
 
 async def _answer(

@@ -1,4 +1,4 @@
-"""The reference upstream's HTTP edge: an OpenAI-compatible aiohttp app, and its chat endpoint.
+"""The reference upstream's HTTP edge: an OpenAI- and Anthropic-compatible aiohttp app, and its chat endpoint.
 
 Routes:
 
@@ -8,9 +8,11 @@ Routes:
   with ``usage`` (and ``openhuman`` blocks when configured);
 - ``POST /v1/responses``, ``GET /v1/responses/{id}`` — the Responses API
   (:mod:`.responses`);
+- ``POST /v1/messages``, ``POST /v1/messages/count_tokens`` — Anthropic's
+  Messages API (:mod:`.messages`);
 - ``GET /v1/models`` — one model;
-- ``GET /sim/requests`` — the model requests received (chat and Responses,
-  each with its ``endpoint``), most recent last;
+- ``GET /sim/requests`` — the model requests received (chat, Responses and
+  Messages, each with its ``endpoint``), most recent last;
 - ``POST /sim/reset`` — clears the prompt cache, the stored Responses and the
   request log;
 - ``GET /sim/clock``, ``POST /sim/clock {"advance": seconds}`` — the emulator's
@@ -42,6 +44,7 @@ from .accounting import Accounting
 from .engine import keep_generated, prefill, time_to_first_token
 from .faults import FAULT_HEADER, Faults, drop_connection
 from .items import InputError
+from .messages import count_tokens, create_message
 from .prompt import InvalidJSON, Prompt, build_prompt, load_json, off_loop
 from .render import encode_segments, get_encoding, reply_segments
 from .replies import Reply, make_reply, reply_deltas
@@ -92,6 +95,8 @@ def create_sim_app(config: SimConfig | None = None) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_post("/v1/messages", create_message)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/sim/requests", list_requests)
     app.router.add_post("/sim/reset", reset)

@@ -2,7 +2,7 @@
 
 One :class:`SimState` per app (under :data:`SIM_STATE`) holds everything the
 emulated provider remembers: one prompt cache shared by every endpoint (one
-engine serves chat and Responses alike) -- the block cache in the ``openai``
+engine serves chat, Responses and Messages alike) -- the block cache in the ``openai``
 and ``vllm`` modes, the breakpoint cache in the breakpoint modes -- the
 request log, the stored Responses (``store: true``) that
 ``previous_response_id`` refers to, and the clock every TTL runs on.
@@ -144,7 +144,8 @@ class ReceivedRequest:
     """Header names lower-cased."""
     body: bytes
     endpoint: str = "chat.completions"
-    """Which API: ``"chat.completions"`` or ``"responses"``."""
+    """Which API: ``"chat.completions"``, ``"responses"``, ``"messages"`` or
+    ``"messages.count_tokens"``."""
 
 
 @dataclass(slots=True)

@@ -3,10 +3,12 @@
 - ``x-sim-fault: k=v,...`` — faults (:mod:`.faults`);
 - ``x-sim-reply-tokens: N`` — size of a text reply (default 40);
 - ``x-sim-reasoning: 1`` — generate reasoning (chat: ``reasoning_content``;
-  Responses: a ``reasoning`` item, as a ``reasoning`` parameter does);
-- ``x-sim-tool-calls: N`` — Responses only: how many ``function_call`` items a
-  turn that calls tools makes (default 1; ``0``: always answer with text;
-  ``parallel_tool_calls: false`` caps it at 1);
+  Responses: a ``reasoning`` item, as a ``reasoning`` parameter does; Messages:
+  a ``thinking`` block, as ``thinking: {"type": "enabled"}`` does);
+- ``x-sim-tool-calls: N`` — Responses and Messages: how many ``function_call``
+  items (``tool_use`` blocks) a turn that calls tools makes (default 1; ``0``:
+  always answer with text; ``parallel_tool_calls: false``, or
+  ``tool_choice.disable_parallel_tool_use``, caps it at 1);
 - ``x-sim-compress: gzip`` — gzip a non-streaming body.
 
 A malformed value is a ``ValueError`` naming the header (the endpoint answers 400).

@@ -1,9 +1,11 @@
 """The reference upstream's response plumbing, shared by its endpoints.
 
-OpenAI-style error bodies (:func:`error_response`, the one place errors are
-shaped), JSON bodies (optionally gzipped), and :func:`write_events`: an SSE
-stream written event by event under the request's faults (``stall``,
-``reset_after``) and the configured pause between chunks.
+Error bodies, the one place errors are shaped: OpenAI's (:func:`error_response`,
+chat and Responses) and Anthropic's (:func:`anthropic_error_response`, the Messages
+API: ``{"type": "error", "error": {"type", "message"}, "request_id"}``); JSON
+bodies (optionally gzipped), and :func:`write_events`: an SSE stream written event
+by event under the request's faults (``stall``, ``reset_after``) and the configured
+pause between chunks.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import logging
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +42,21 @@ _ERROR_CODES = {
     503: "service_unavailable",
     504: "gateway_timeout",
 }
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+"""Anthropic's error ``type`` by status (its documented errors)."""
+REQUEST_ID_HEADER = "request-id"
+"""Where Anthropic names the request (``req_...``), on every response."""
 
 
 def error_response(
@@ -59,15 +77,46 @@ def error_response(
     return json_response(payload, status=status, headers=headers)
 
 
-def fault_response(faults: Faults) -> web.Response:
-    """The error a ``status=`` fault asked for."""
+def anthropic_error_response(
+    status: int,
+    message: str,
+    *,
+    error_type: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
+    """An Anthropic-style error: ``{"type": "error", "error": {"type", "message"}, "request_id"}``,
+    with the ``request-id`` header."""
+    if error_type is None:
+        error_type = _ANTHROPIC_ERROR_TYPES.get(
+            status, "api_error" if status >= 500 else "invalid_request_error"
+        )
+    request_id = new_request_id()
+    payload = {
+        "type": "error",
+        "error": {"type": error_type, "message": message},
+        "request_id": request_id,
+    }
+    all_headers = {**(headers or {}), REQUEST_ID_HEADER: request_id}
+    return json_response(payload, status=status, headers=all_headers)
+
+
+def new_request_id() -> str:
+    """A fresh ``req_...`` id (Anthropic's ``request-id``)."""
+    return "req_" + uuid.uuid4().hex
+
+
+def fault_response(faults: Faults, *, anthropic: bool = False) -> web.Response:
+    """The error a ``status=`` fault asked for, OpenAI-shaped or (``anthropic``) Anthropic-shaped."""
     assert faults.status is not None
     headers: dict[str, str] = {}
     if faults.retry_after is not None:
         headers[str(hdrs.RETRY_AFTER)] = faults.retry_after
+    message = f"simulated upstream error {faults.status} (x-sim-fault)"
+    if anthropic:
+        return anthropic_error_response(faults.status, message, headers=headers)
     return error_response(
         faults.status,
-        f"simulated upstream error {faults.status} (x-sim-fault)",
+        message,
         code=_ERROR_CODES.get(faults.status, "sim_fault"),
         headers=headers,
     )
@@ -97,15 +146,21 @@ async def write_events(
     faults: Faults,
     chunk_delay: float,
     before_last: Callable[[], None] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> tuple[web.StreamResponse, bool]:
-    """Stream ``events`` as ``text/event-stream``; returns the response and whether it completed.
+    """Stream ``events`` as ``text/event-stream`` (with ``headers`` besides); returns the
+    response and whether it completed.
 
     ``before_last`` runs just before the last event is written: what the client
     may act on as soon as it reads that event (a stored response, the cached
     reply) must exist by then. It does not run when the stream is cut short.
     """
     response = web.StreamResponse(
-        headers={hdrs.CONTENT_TYPE: "text/event-stream", hdrs.CACHE_CONTROL: "no-cache"}
+        headers={
+            **(headers or {}),
+            hdrs.CONTENT_TYPE: "text/event-stream",
+            hdrs.CACHE_CONTROL: "no-cache",
+        }
     )
     await response.prepare(request)
     try:
