@@ -30,8 +30,12 @@ Usage (from each response's usage block)
       denominator of the cache-hit ratio, so providers that do not report
       caching do not read as misses. Hit ratio:
       ``rate(kvwarm_cached_prompt_tokens_total[5m]) / rate(kvwarm_cache_known_prompt_tokens_total[5m])``.
-  ``kvwarm_cache_write_tokens_total{model}``
-      Prompt tokens written to the cache (Anthropic-style cache creation).
+  ``kvwarm_cache_write_tokens_total{model,ttl}``
+      Prompt tokens written to the provider's cache (Anthropic cache creation, OpenAI GPT-5.6
+      and OpenRouter cache writes), by how long they were written for: ``ttl`` is ``5m`` or
+      ``1h`` (Anthropic), ``30m`` or ``12h`` (OpenAI), or ``unknown`` where the provider did not
+      split its writes. Counted from responses that report writes (a reported 0 too); cache
+      reads are ``kvwarm_cached_prompt_tokens_total``.
   ``kvwarm_completion_tokens_total{model}``
       Completion tokens, reasoning included.
   ``kvwarm_reasoning_tokens_total{model}``
@@ -47,9 +51,25 @@ Usage (from each response's usage block)
 Cost
   ``kvwarm_cost_usd_total{model,source}``
       USD spent; ``source`` is ``"billed"`` (the provider's bill) or
-      ``"estimated"`` (the price table).
+      ``"estimated"`` (the price table: cache reads at the cached price, cache writes at the
+      write price of their TTL, premium included).
   ``kvwarm_unpriced_requests_total{model}``
       Responses whose cost is unknown (no bill, no price for the model).
+
+Savings (what the provider's prompt cache saved, at the price table's list prices)
+  ``kvwarm_cache_savings_usd_total{model,by}``
+      USD the cache's reads saved against the uncached input price. ``by`` says who earned
+      it: ``repair`` (the reads of prompt tokens a kvwarm repair rescued), ``cache`` (every
+      other read); ``breakpoint`` is reserved for kvwarm's own cache markers.
+  ``kvwarm_cache_write_premium_usd_total{model,by}``
+      USD the cache's writes cost above the uncached input price (``by``: ``cache``, the
+      client's and the provider's writes; ``breakpoint`` reserved as above).
+  The headline, what the same prompt tokens would have cost uncached minus what they cost,
+  is the difference of the two: ``sum(kvwarm_cache_savings_usd_total) -
+  sum(kvwarm_cache_write_premium_usd_total)``. It is negative while writes are not repaid by
+  reads; two counters rather than one that goes down keep ``rate`` and restarts right. Both
+  are counted for a priced response that reports a cached or a write count (zeros too);
+  a write price below the input price counts as a saving, never a negative increment.
 
 Repair and matching
   ``kvwarm_repairs_total{kind}``
@@ -130,7 +150,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 import proxy
 from proxy.core.pricing import Cost
-from proxy.core.usage import Usage
+from proxy.core.usage import UNKNOWN_TTL, WRITE_TTLS, Usage
 
 from .native import native_label
 
@@ -370,8 +390,8 @@ class ProxyMetrics:
         )
         self.cache_write_tokens = counter(
             "kvwarm_cache_write_tokens_total",
-            "Prompt tokens written to the provider's cache.",
-            ("model",),
+            "Prompt tokens written to the provider's cache, by the TTL written for.",
+            ("model", "ttl"),
         )
         self.completion_tokens = counter(
             "kvwarm_completion_tokens_total", "Completion tokens, reasoning included.", ("model",)
@@ -394,6 +414,16 @@ class ProxyMetrics:
         )
         self.unpriced_requests = counter(
             "kvwarm_unpriced_requests_total", "Responses whose cost is unknown.", ("model",)
+        )
+        self.cache_savings_usd = counter(
+            "kvwarm_cache_savings_usd_total",
+            "USD the provider's cache reads saved against uncached input, by who earned it.",
+            ("model", "by"),
+        )
+        self.cache_write_premium_usd = counter(
+            "kvwarm_cache_write_premium_usd_total",
+            "USD the provider's cache writes cost above uncached input.",
+            ("model", "by"),
         )
         self.cache_hit_ratio = Histogram(
             "kvwarm_request_cache_hit_ratio",
@@ -526,8 +556,10 @@ class ProxyMetrics:
         ttfb: float | None,
         usage: Usage | None,
         cost: Cost | None,
+        rescued_tokens: int = 0,
     ) -> None:
-        """Count one finished request: status, latencies, token usage and cost."""
+        """Count one finished request: status, latencies, token usage, cost and what the cache
+        saved (``rescued_tokens``: the prompt tokens a repair of this request rescued)."""
         kids = self._raw_series.get((model, status, stream))
         if kids is None:
             kids = self._series_for(model, status, stream)
@@ -555,8 +587,8 @@ class ProxyMetrics:
                 counts["completion"] += completion
             if usage.reasoning_tokens and usage.reasoning_tokens > 0:
                 counts["reasoning"] += usage.reasoning_tokens
-            if usage.cache_write_tokens and usage.cache_write_tokens > 0:
-                counts["cache_write"] += usage.cache_write_tokens
+            for ttl, written in usage.writes_by_ttl():  # none when the writes are unknown
+                counts[_WRITE_SERIES[ttl]] += written
             cached = usage.cached_tokens
             if cached is None or prompt is None:
                 # Without both numbers the response says nothing about the hit ratio.
@@ -568,10 +600,7 @@ class ProxyMetrics:
                 if prompt > 0:
                     values["hit_ratio"].append(cached / prompt)
         if cost is not None:
-            if cost.usd is None:
-                counts["unpriced"] += 1
-            else:
-                counts["billed" if cost.billed else "estimated"] += max(0.0, cost.usd)
+            _count_cost(counts, cost, usage.cached_tokens if usage is not None else None, rescued_tokens)
         if len(durations) >= _LISTED:  # the lists stay bounded between two reads of the registry
             kids.fold_values(self._batch)
 
@@ -601,7 +630,10 @@ class ProxyMetrics:
             "prompt": (self.prompt_tokens, one),
             "completion": (self.completion_tokens, one),
             "reasoning": (self.reasoning_tokens, one),
-            "cache_write": (self.cache_write_tokens, one),
+            **{name: (self.cache_write_tokens, (label, ttl)) for ttl, name in _WRITE_SERIES.items()},
+            "saved_cache": (self.cache_savings_usd, (label, "cache")),
+            "saved_repair": (self.cache_savings_usd, (label, "repair")),
+            "write_premium": (self.cache_write_premium_usd, (label, "cache")),
             "unknown_cache": (self.usage_unknown_cache, one),
             "cached": (self.cached_prompt_tokens, one),
             "cache_known": (self.cache_known_prompt_tokens, one),
@@ -757,6 +789,41 @@ class ProxyMetrics:
             MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
             self._merged = merged
         return self._merged
+
+
+_WRITE_SERIES = {ttl: f"cache_write_{ttl}" for ttl in (*WRITE_TTLS, UNKNOWN_TTL)}
+"""The request series' name of the written tokens of each TTL bucket (a bounded set)."""
+
+
+def _count_cost(counts: defaultdict[str, float], cost: Cost, cached: int | None, rescued: int) -> None:
+    """Add a response's cost to a request series' ``counts``, and what the cache saved: the
+    reads' saving split between the repair (the reads of the ``rescued`` tokens, at most the
+    ``cached`` ones) and the rest, and the writes' premium. A negative part (a price below the
+    input price) moves to the other counter: counters never go down."""
+    if cost.usd is None:
+        counts["unpriced"] += 1
+    else:
+        counts["billed" if cost.billed else "estimated"] += max(0.0, cost.usd)
+    if cost.read_saving_usd is None and cost.write_premium_usd is None:
+        return
+    saved = premium = repaired = 0.0
+    read = cost.read_saving_usd
+    if read is not None:
+        if read >= 0.0:
+            if rescued > 0 and cached:
+                repaired = min(read, min(rescued, cached) * cost.saving_per_cached_token)
+            saved = read - repaired
+        else:
+            premium = -read
+    write = cost.write_premium_usd
+    if write is not None:
+        if write >= 0.0:
+            premium += write
+        else:
+            saved -= write
+    counts["saved_cache"] += saved
+    counts["saved_repair"] += repaired
+    counts["write_premium"] += premium
 
 
 def _status_class(status: int | None) -> str:

@@ -61,6 +61,7 @@ class Answer:
 
     def __init__(
         self,
+        *,
         status: int | None = None,
         ttfb: float | None = None,
         usage: Usage | None = None,
@@ -132,6 +133,7 @@ class Reporter:
         m.observe_request(
             model=model, status=answer.status, stream=stream, duration=duration,
             ttfb=answer.ttfb, usage=answer.usage, cost=answer.cost,
+            rescued_tokens=plan.repair.rescued_tokens if plan is not None else 0,
         )
         brk = plan.broke if plan is not None else None
         if plan is not None:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import proxy
-from proxy.core.pricing import Cost
+from proxy.core.pricing import Cost, Price, cost_of
 from proxy.core.usage import Usage
 from proxy.metrics import ERROR_STAGES, ProxyMetrics
 from proxy.store.base import StoreStats
@@ -37,7 +37,10 @@ def usage(
     write: int | None = None,
     reasoning: int | None = None,
 ) -> Usage:
-    return Usage(prompt, completion, cached, write, reasoning, None, "openai")
+    return Usage(
+        prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached, cache_write_tokens=write,
+        reasoning_tokens=reasoning,
+    )
 
 
 def observe(metrics: ProxyMetrics, **overrides: object) -> None:
@@ -48,7 +51,7 @@ def observe(metrics: ProxyMetrics, **overrides: object) -> None:
         "duration": 1.5,
         "ttfb": 0.3,
         "usage": usage(),
-        "cost": Cost(0.002, False),
+        "cost": Cost(usd=0.002, billed=False),
     }
     args.update(overrides)
     metrics.observe_request(**args)  # type: ignore[arg-type]
@@ -56,7 +59,7 @@ def observe(metrics: ProxyMetrics, **overrides: object) -> None:
 
 def test_request_usage_and_cost(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
     observe(metrics, usage=usage(1000, 50, 800, write=100, reasoning=20))
-    observe(metrics, usage=usage(500, 10, 0), stream=False, cost=Cost(0.01, True))
+    observe(metrics, usage=usage(500, 10, 0), stream=False, cost=Cost(usd=0.01, billed=True))
     m = {"model": "gpt-4o"}
     assert (
         value(registry, "kvwarm_requests_total", model="gpt-4o", status="2xx", stream="true") == 1
@@ -69,7 +72,7 @@ def test_request_usage_and_cost(metrics: ProxyMetrics, registry: CollectorRegist
     assert value(registry, "kvwarm_cache_known_prompt_tokens_total", **m) == 1500
     assert value(registry, "kvwarm_completion_tokens_total", **m) == 60
     assert value(registry, "kvwarm_reasoning_tokens_total", **m) == 20
-    assert value(registry, "kvwarm_cache_write_tokens_total", **m) == 100
+    assert value(registry, "kvwarm_cache_write_tokens_total", ttl="unknown", **m) == 100
     assert value(
         registry, "kvwarm_cost_usd_total", model="gpt-4o", source="estimated"
     ) == pytest.approx(0.002)
@@ -123,7 +126,7 @@ def test_missing_usage_counts_only_for_successful_responses(
 
 
 def test_unpriced_requests(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
-    observe(metrics, model="my-finetune", cost=Cost(None, False))
+    observe(metrics, model="my-finetune", cost=Cost(usd=None, billed=False))
     assert value(registry, "kvwarm_unpriced_requests_total", model="my-finetune") == 1
     assert value(registry, "kvwarm_cost_usd_total", model="my-finetune", source="estimated") is None
 
@@ -238,6 +241,8 @@ EXPECTED_FAMILIES = {
     "kvwarm_usage_missing": "counter",
     "kvwarm_cost_usd": "counter",
     "kvwarm_unpriced_requests": "counter",
+    "kvwarm_cache_savings_usd": "counter",
+    "kvwarm_cache_write_premium_usd": "counter",
     "kvwarm_request_cache_hit_ratio": "histogram",
     "kvwarm_repair_rescued_tokens": "counter",
     "kvwarm_repairs": "counter",
@@ -264,8 +269,10 @@ EXPECTED_FAMILIES = {
 def populated() -> bytes:
     registry = CollectorRegistry()
     metrics = ProxyMetrics(registry)
-    observe(metrics, usage=usage(1000, 50, 800, write=5, reasoning=3))
-    observe(metrics, cost=Cost(None, False), usage=usage(cached=None))
+    observe(metrics, usage=usage(1000, 50, 800, write=5, reasoning=3),
+            cost=Cost(usd=0.002, billed=False, read_saving_usd=0.001, write_premium_usd=0.0001,
+                      saving_per_cached_token=1e-6), rescued_tokens=300)
+    observe(metrics, cost=Cost(usd=None, billed=False), usage=usage(cached=None))
     observe(metrics, usage=None, cost=None)
     metrics.observe_repairs(["arguments_json"], 10, "gpt-4o")
     metrics.observe_break("content_changed")
@@ -330,3 +337,66 @@ def test_many_requests_between_reads_are_counted_exactly_within_bounded_lists(
     assert value(registry, "kvwarm_request_duration_seconds_count", **labels) == n
     observe(metrics, duration=0.2, stream=False)
     assert value(registry, "kvwarm_request_duration_seconds_count", **labels) == n + 1
+
+
+# -- cache writes and savings ---------------------------------------------------------------------
+
+SONNET = Price(input=3.0, cached_input=0.3, cache_write=3.75, cache_write_1h=6.0, output=15.0)
+
+
+def test_cache_writes_are_counted_by_ttl(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    observe(metrics, usage=Usage(prompt_tokens=5000, completion_tokens=5, cached_tokens=1000, cache_write_tokens=3000,
+                                 cache_write_5m_tokens=2000, cache_write_1h_tokens=1000))
+    observe(metrics, usage=Usage(prompt_tokens=9000, completion_tokens=5, cached_tokens=0, cache_write_tokens=2500,
+                                 cache_write_30m_tokens=2000, cache_write_12h_tokens=500))
+    observe(metrics, usage=usage(1000, 5, 800, write=70))  # no split: the TTL is unknown
+    observe(metrics, usage=usage(1000, 5, 800, write=None))  # no write count: nothing counted
+    written = {ttl: value(registry, "kvwarm_cache_write_tokens_total", model="gpt-4o", ttl=ttl)
+               for ttl in ("5m", "1h", "30m", "12h", "unknown")}
+    assert written == {"5m": 2000, "1h": 1000, "30m": 2000, "12h": 500, "unknown": 70}
+
+
+def test_a_reported_zero_write_count_exports_a_series(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    observe(metrics, usage=usage(1000, 5, 800, write=0))
+    assert value(registry, "kvwarm_cache_write_tokens_total", model="gpt-4o", ttl="unknown") == 0
+
+
+def test_savings_split_between_the_repair_and_the_cache(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    # 10000 read, 3000 of them rescued by a repair; 1000 written for 5 minutes, 500 for an hour.
+    u = Usage(prompt_tokens=12000, completion_tokens=10, cached_tokens=10000, cache_write_tokens=1500,
+              cache_write_5m_tokens=1000, cache_write_1h_tokens=500)
+    observe(metrics, usage=u, cost=cost_of(u, SONNET), rescued_tokens=3000)
+    m = {"model": "gpt-4o"}
+    # Reads: 10000 * 2.7 = 27000 per million, 3000 * 2.7 = 8100 of it the repair's.
+    assert value(registry, "kvwarm_cache_savings_usd_total", by="repair", **m) == pytest.approx(0.0081)
+    assert value(registry, "kvwarm_cache_savings_usd_total", by="cache", **m) == pytest.approx(0.0189)
+    # Writes: 1000 * 0.75 + 500 * 3 = 2250 per million above the input price.
+    assert value(registry, "kvwarm_cache_write_premium_usd_total", by="cache", **m) == pytest.approx(0.00225)
+    # More rescued than read: the repair earned at most the reads.
+    observe(metrics, usage=usage(1000, 5, 400), cost=cost_of(usage(1000, 5, 400), SONNET), rescued_tokens=900)
+    assert value(registry, "kvwarm_cache_savings_usd_total", by="repair", **m) == pytest.approx(0.0081 + 400 * 2.7e-6)
+
+
+def test_a_net_loss_is_two_counters_that_never_go_down(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    """Writes not repaid make the headline negative: savings minus premium, each a counter."""
+    first = Usage(prompt_tokens=4100, completion_tokens=10, cached_tokens=0, cache_write_tokens=4000,
+                  cache_write_1h_tokens=4000)
+    observe(metrics, usage=first, cost=cost_of(first, SONNET))
+    m = {"model": "gpt-4o", "by": "cache"}
+    saved = value(registry, "kvwarm_cache_savings_usd_total", **m)
+    premium = value(registry, "kvwarm_cache_write_premium_usd_total", **m)
+    assert saved == 0 and premium == pytest.approx(0.012)
+    assert saved - premium == pytest.approx(-0.012)
+    # Prices below the input price (never seen, but a table may say so) move to the other counter.
+    odd = Cost(usd=0.0, billed=False, read_saving_usd=-0.5, write_premium_usd=-0.25)
+    observe(metrics, usage=usage(), cost=odd)
+    assert value(registry, "kvwarm_cache_savings_usd_total", **m) == pytest.approx(0.25)
+    assert value(registry, "kvwarm_cache_write_premium_usd_total", **m) == pytest.approx(0.512)
+
+
+def test_no_savings_without_a_price_or_a_cache_count(metrics: ProxyMetrics, registry: CollectorRegistry) -> None:
+    observe(metrics, usage=usage(cached=None), cost=cost_of(usage(cached=None), SONNET))
+    observe(metrics, model="my-finetune", usage=usage(), cost=cost_of(usage(), None))
+    for model in ("gpt-4o", "my-finetune"):
+        assert value(registry, "kvwarm_cache_savings_usd_total", model=model, by="cache") is None
+        assert value(registry, "kvwarm_cache_write_premium_usd_total", model=model, by="cache") is None

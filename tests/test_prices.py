@@ -24,7 +24,7 @@ def test_the_shipped_table_is_package_data() -> None:
     assert SHIPPED.is_file()
     table = MetricsSettings().prices()
     assert dict(table.models) == dict(parse_prices(SHIPPED.read_bytes(), "x").models)
-    assert table.lookup("kvwarm-sim") == Price(2.5, 1.25, None, 10.0)
+    assert table.lookup("kvwarm-sim") == Price(input=2.5, cached_input=1.25, output=10.0)
 
 
 def test_the_price_data_has_one_home() -> None:
@@ -52,7 +52,7 @@ def test_a_prices_file_replaces_the_shipped_table_whole(tmp_path: Path, how: str
     else:
         settings = load_settings(None, env={"KVWARM_METRICS_PRICES_FILE": str(path)})
     table = settings.metrics.prices()
-    assert table.lookup("m1") == Price(1.0, None, None, 4.0)
+    assert table.lookup("m1") == Price(input=1.0, output=4.0)
     assert table.lookup("gpt-4o") is None and len(table) == 1
 
 
@@ -64,8 +64,12 @@ def test_a_prices_file_replaces_the_shipped_table_whole(tmp_path: Path, how: str
         (b"\xff\xfe[models]\n", "prices", "is not valid TOML"),
         (b'[models."gpt-x"]\ninput = "2.5"\noutput = 1\n', "prices.gpt-x.input", "must be a number"),
         (b'[models."gpt-x"]\ninput = 1\noutput = 1\n[aliases]\n"y" = "nope"\n', "prices.aliases.y", "unknown model"),
+        (b'[models."gpt-x"]\ninput = 1\noutput = 1\ncache_write = 2\ncache_write_multiplier = 1.25\n',
+         "prices.gpt-x.cache_write_multiplier", "not both"),
+        (b'[models."gpt-x"]\ninput = 1\noutput = 1\ncache_write_1h_multiplier = inf\n',
+         "prices.gpt-x.cache_write_1h_multiplier", "finite number"),
     ],
-    ids=["missing", "toml", "encoding", "entry", "alias"],
+    ids=["missing", "toml", "encoding", "entry", "alias", "write-twice", "write-multiplier"],
 )
 def test_a_bad_prices_file_is_a_config_error_naming_the_key_and_the_file(
     tmp_path: Path, content: bytes | None, key: str, fragment: str

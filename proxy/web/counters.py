@@ -2,7 +2,8 @@
 
 The page and ``/metrics`` read the very same counters, so every "since start" number on
 the page is what ``/metrics`` says at that moment. Sums are over all label values
-(every model, stream and status class); the per-reason break counts are kept apart.
+(every model, stream, status class, TTL and ``by``); the per-reason break counts and the
+repairs' share of the savings are kept apart as well.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from prometheus_client import CollectorRegistry
 __all__ = ["ZERO", "Reading", "Totals", "read_counters"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Totals:
     """Cumulative counter values of one process (since it started), or a difference of two."""
 
@@ -39,11 +40,19 @@ class Totals:
     cost_estimated_usd: float = 0.0
     """``kvwarm_cost_usd_total{source="estimated"}``."""
     unpriced_requests: float = 0.0
+    cache_write_tokens: float = 0.0
+    """``kvwarm_cache_write_tokens_total``, every TTL (the reads are ``cached_tokens``)."""
+    savings_usd: float = 0.0
+    """``kvwarm_cache_savings_usd_total``: what the cache's reads saved, every ``by``."""
+    repair_savings_usd: float = 0.0
+    """Of ``savings_usd``, the repairs' (``by="repair"``)."""
+    write_premium_usd: float = 0.0
+    """``kvwarm_cache_write_premium_usd_total``: what the writes cost above the input price."""
 
     def minus(self, earlier: Totals) -> Totals:
         """What happened between ``earlier`` and this reading (never negative)."""
         return Totals(
-            *(max(0.0, getattr(self, f.name) - getattr(earlier, f.name)) for f in fields(Totals))
+            **{f.name: max(0.0, getattr(self, f.name) - getattr(earlier, f.name)) for f in fields(Totals)}
         )
 
     @property
@@ -57,11 +66,17 @@ class Totals:
     def cost_usd(self) -> float:
         return self.cost_billed_usd + self.cost_estimated_usd
 
+    @property
+    def net_savings_usd(self) -> float:
+        """What the prompt tokens would have cost uncached minus what they cost: negative while
+        the cache's writes are not repaid by its reads."""
+        return self.savings_usd - self.write_premium_usd
+
 
 ZERO = Totals()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Reading:
     """One read of the registry."""
 
@@ -80,8 +95,12 @@ _SUMMED: Mapping[str, str] = {
     "kvwarm_repairs_total": "repairs",
     "kvwarm_prefix_breaks_total": "breaks",
     "kvwarm_unpriced_requests_total": "unpriced_requests",
+    "kvwarm_cache_write_tokens_total": "cache_write_tokens",
+    "kvwarm_cache_savings_usd_total": "savings_usd",
+    "kvwarm_cache_write_premium_usd_total": "write_premium_usd",
 }
 _COST = "kvwarm_cost_usd_total"
+_SAVINGS = "kvwarm_cache_savings_usd_total"
 _BREAKS = "kvwarm_prefix_breaks_total"
 _REQUESTS = "kvwarm_requests_total"
 
@@ -106,6 +125,8 @@ def read_counters(registry: CollectorRegistry) -> Reading:
             values[field_name] += sample.value
             if name == _REQUESTS and sample.labels.get("status") != "2xx":
                 values["requests_failed"] += sample.value
+            elif name == _SAVINGS and sample.labels.get("by") == "repair":
+                values["repair_savings_usd"] += sample.value
             elif name == _BREAKS and sample.value > 0:
                 reason = sample.labels.get("reason", "")
                 reasons[reason] = reasons.get(reason, 0.0) + sample.value

@@ -2,7 +2,7 @@
 
 :class:`History` keeps, for each minute in which it was given a reading, the cumulative
 :class:`~proxy.web.counters.Totals` at the last reading of that minute (24 h by default:
-1 442 entries of 13 floats, about 300 kB). Any window's numbers are then one subtraction
+1 442 entries of 17 floats, about 400 kB). Any window's numbers are then one subtraction
 of two snapshots, exact to the counter (``today = now - the last snapshot before
 midnight``), and a minute's numbers are the difference of its snapshot and the one
 before it.

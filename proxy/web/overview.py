@@ -91,6 +91,7 @@ def _totals_json(t: Totals) -> dict[str, Any]:
     out: dict[str, Any] = {f.name: _number(getattr(t, f.name)) for f in fields(Totals)}
     pct = t.hit_pct
     out["hit_pct"] = None if pct is None else pct
+    out["net_savings_usd"] = t.net_savings_usd
     return out
 
 

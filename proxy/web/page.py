@@ -198,8 +198,11 @@ def _operator_cards(slots: _Slots) -> str:
         '<section class="cards" aria-label="Totals of this process">'
         f'<article class="card hit" data-tone-k="hit_tone" data-tone="{_e(text["hit_tone"])}">'
         f'<h2>Cache hit</h2>{k("hit_total", "p", "big")}'
-        f'{k("hit_tokens", "p", "sub")}{k("hit_recent", "p", "sub")}</article>'
+        f'{k("hit_tokens", "p", "sub")}{k("cache_rw", "p", "sub")}{k("hit_recent", "p", "sub")}</article>'
         + slots.card("Rescued by repair", "rescued", "rescued_note")
+        + f'<article class="card saved" data-tone-k="saved_tone" data-tone="{_e(text["saved_tone"])}">'
+        f'<h2>Saved by the cache today</h2>{k("saved_today", "p", "big")}'
+        f'{k("saved_split", "p", "sub")}{k("saved_repair", "p", "sub")}</article>'
         + slots.card("Cost today", "cost_today", "cost_split", "today_since", ("cost_note", "p", "sub warn"))
         + slots.card("Requests", "requests", "requests_note", "tokens_note")
         + slots.card("Prefix breaks", "breaks_total", extra='<p class="sub">since start, by reason below</p>')

@@ -67,11 +67,14 @@ def fmt_pct(value: float | None) -> str:
 
 
 def fmt_usd(value: float | None) -> str:
-    """``$0.0123`` below a dollar (four decimals: agent turns cost fractions of a cent), else ``$12.34``."""
+    """``$0.0123`` below a dollar (four decimals: agent turns cost fractions of a cent), else
+    ``$12.34``; a loss ``-$0.0123``."""
     if value is None:
         return DASH
+    if value < 0 and fmt_usd(-value) != fmt_usd(0.0):
+        return "-" + fmt_usd(-value)
     if abs(value) < 1:
-        return f"${value:.4f}"
+        return f"${abs(value):.4f}"
     return f"${value:,.2f}"
 
 
@@ -318,8 +321,12 @@ def _process_text(overview: Mapping[str, Any]) -> dict[str, str]:
             else f"no cache data in the last {recent['minutes']} min"
         ),
         "tokens_note": f"{fmt_count(totals['prompt_tokens'])} prompt · {fmt_count(totals['completion_tokens'])} completion tokens",
+        "cache_rw": (
+            f"{fmt_count(totals['cached_tokens'])} read · {fmt_count(totals['cache_write_tokens'])} written to the cache"
+        ),
         "rescued": fmt_count(totals["rescued_tokens"]),
         "rescued_note": f"prompt tokens kept cacheable by {fmt_count(totals['repairs'])} repairs",
+        **_savings_text(today),
         "cost_today": fmt_usd(today["cost_billed_usd"] + today["cost_estimated_usd"]),
         "cost_split": f"billed {fmt_usd(today['cost_billed_usd'])} · estimated {fmt_usd(today['cost_estimated_usd'])}",
         "cost_note": f"{unpriced} unpriced request{'s' if unpriced != 1 else ''} not included" if unpriced else "",
@@ -327,6 +334,18 @@ def _process_text(overview: Mapping[str, Any]) -> dict[str, str]:
         "requests_note": f"{fmt_count(today['requests'])} today · {failed} not 2xx",
         "breaks_total": fmt_count(totals["breaks"]),
         "today_since": time.strftime("since %H:%M %Z", time.localtime(float(today["since"]))),
+    }
+
+
+def _savings_text(today: Mapping[str, Any]) -> dict[str, str]:
+    """The "saved by the cache" card: today's net saving (negative while the writes are not
+    repaid), how it splits into reads and writes, and the repairs' share."""
+    net = float(today["net_savings_usd"])
+    return {
+        "saved_today": fmt_usd(net),
+        "saved_tone": "good" if net > 0 else "bad" if net < 0 else "none",
+        "saved_split": f"reads saved {fmt_usd(today['savings_usd'])} · writes cost {fmt_usd(today['write_premium_usd'])} extra",
+        "saved_repair": f"{fmt_usd(today['repair_savings_usd'])} of it by repairs",
     }
 
 

@@ -152,7 +152,7 @@ def test_openhuman_missing_field_falls_back_to_standard_usage() -> None:
 
 def test_openhuman_billing_alone_is_usage() -> None:
     usage = extract_usage({"openhuman": {"billing": {"charged_amount_usd": 0.12}}})
-    assert usage == Usage(None, None, None, None, None, 0.12, "openai")
+    assert usage == Usage(billed_usd=0.12)
 
 
 def test_anthropic_style_normalizes_prompt_to_include_cache_reads_and_writes() -> None:
@@ -228,7 +228,9 @@ def test_deepseek() -> None:
             "prompt_cache_miss_tokens": 220,
         },
     }
-    assert extract_usage(body) == Usage(1500, 120, 1280, None, 80, None, "deepseek")
+    assert extract_usage(body) == Usage(
+        prompt_tokens=1500, completion_tokens=120, cached_tokens=1280, reasoning_tokens=80, source="deepseek"
+    )
 
 
 def test_deepseek_prompt_from_hit_and_miss() -> None:
@@ -340,13 +342,17 @@ def test_timings_without_cache_n_leave_cache_unknown() -> None:
 
 
 def test_merge_later_known_fields_win() -> None:
-    a = Usage(100, None, 50, None, None, None, "deepseek", {"cache_n": 1.0, "prompt_n": 2.0})
-    b = Usage(120, 7, None, 3, 2, 0.5, "openai", {"prompt_n": 9.0})
+    a = Usage(prompt_tokens=100, cached_tokens=50, cache_write_tokens=10, cache_write_5m_tokens=10, source="deepseek",
+              timings={"cache_n": 1.0, "prompt_n": 2.0})
+    b = Usage(prompt_tokens=120, completion_tokens=7, cache_write_tokens=13, cache_write_1h_tokens=3, reasoning_tokens=2,
+              billed_usd=0.5, source="openai", timings={"prompt_n": 9.0})
     merged = merge_usage(a, b)
-    assert merged == Usage(120, 7, 50, 3, 2, 0.5, "deepseek", {"cache_n": 1.0, "prompt_n": 9.0})
+    assert merged == Usage(prompt_tokens=120, completion_tokens=7, cached_tokens=50, cache_write_tokens=13,
+                           cache_write_5m_tokens=10, cache_write_1h_tokens=3, reasoning_tokens=2, billed_usd=0.5,
+                           source="deepseek", timings={"cache_n": 1.0, "prompt_n": 9.0})
     assert merge_usage(None, b) is b and merge_usage(a, None) is a
     assert merge_usage(None, None) is None
-    c = Usage(1, 1, 0, None, None, None, "openai")
+    c = Usage(prompt_tokens=1, completion_tokens=1, cached_tokens=0)
     merged_c = merge_usage(a, c)
     assert merged_c is not None and (merged_c.cached_tokens, merged_c.source) == (0, "openai")
 
@@ -367,7 +373,7 @@ def test_garbage_fields_are_ignored_one_by_one() -> None:
     assert extract_usage(body) is None
     body["usage"]["output_tokens"] = 7.0  # an integral float is a count
     usage = extract_usage(body)
-    assert usage == Usage(None, 7, None, None, None, None, "openai")
+    assert usage == Usage(completion_tokens=7)
     assert extract_usage({"openhuman": {"billing": {"charged_amount_usd": -1}}}) is None
     assert extract_usage({"openhuman": {"billing": {"charged_amount_usd": math.inf}}}) is None
     assert extract_usage({"timings": {"cache_n": math.nan, "prompt_n": False}}) is None
@@ -394,6 +400,14 @@ _json = st.recursive(
                     "output_tokens",
                     "cache_read_input_tokens",
                     "cache_creation_input_tokens",
+                    "cache_creation",
+                    "ephemeral_5m_input_tokens",
+                    "ephemeral_1h_input_tokens",
+                    "input_tokens_details",
+                    "cache_write_tokens",
+                    "cache_write_tokens_details",
+                    "ttl_30m_tokens",
+                    "ttl_12h_tokens",
                     "openhuman",
                     "billing",
                     "charged_amount_usd",
@@ -426,9 +440,16 @@ def test_never_raises_and_counts_are_sane(obj: Any) -> None:
             usage.completion_tokens,
             usage.cached_tokens,
             usage.cache_write_tokens,
+            usage.cache_write_5m_tokens,
+            usage.cache_write_1h_tokens,
+            usage.cache_write_30m_tokens,
+            usage.cache_write_12h_tokens,
             usage.reasoning_tokens,
         ):
             assert value is None or (type(value) is int and value >= 0)
+        writes = usage.writes_by_ttl()
+        assert (usage.cache_write_tokens is None) == (writes == [])
+        assert sum(n for _, n in writes) == (usage.cache_write_tokens or 0)
         assert usage.billed_usd is None or (
             math.isfinite(usage.billed_usd) and usage.billed_usd >= 0
         )
@@ -450,7 +471,7 @@ _openai_like = st.fixed_dictionaries(
     optional={
         "total_tokens": _plain_count,
         "prompt_tokens_details": st.one_of(
-            _block(["cached_tokens", "audio_tokens"], _plain_count), st.none(), _count_value
+            _block(["cached_tokens", "cache_write_tokens", "audio_tokens"], _plain_count), st.none(), _count_value
         ),
         "completion_tokens_details": st.one_of(
             _block(["reasoning_tokens", "audio_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens"], _plain_count),
@@ -473,6 +494,12 @@ _noise = st.one_of(
     _block(["input_tokens", "cost", "is_byok", "cache_read_input_tokens", "prompt_cache_hit_tokens"], _count_value),
     st.fixed_dictionaries({"input_tokens_details": _block(["cached_tokens"], _count_value)}),
     st.fixed_dictionaries({"prompt_tokens_details": _block(["cached_tokens", "cache_write_tokens"], _plain_count)}),
+    _block(["cache_creation_input_tokens", "cache_creation"], st.one_of(_count_value, _block(
+        ["ephemeral_5m_input_tokens", "ephemeral_1h_input_tokens"], _plain_count))),
+    st.fixed_dictionaries({"input_tokens_details": _block(
+        ["cache_write_tokens", "cache_write_tokens_details"],
+        st.one_of(_plain_count, _block(["ttl_30m_tokens", "ttl_12h_tokens"], _plain_count)),
+    )}),
 )
 
 
@@ -507,9 +534,10 @@ def test_the_openai_fast_path_is_taken_for_the_openai_shapes() -> None:
 
     responses = {"usage": {"input_tokens": 3000, "input_tokens_details": {"cached_tokens": 2048}, "output_tokens": 100,
                            "output_tokens_details": {"reasoning_tokens": 40}, "total_tokens": 3100}}
-    for body in (OPENAI_BODY, OPENAI_USAGE_CHUNK, responses):
+    for body in (OPENAI_BODY, OPENAI_USAGE_CHUNK, responses, GPT56_CHAT_BODY):
         fast = _openai_usage(body["usage"])
         assert fast is not None and fast == extract_usage(body)
+    assert _openai_usage(GPT56_RESPONSE["usage"]) is None  # a TTL split: the general path reads it
     assert _openai_usage({"prompt_tokens": 1, "completion_tokens": 2, "cost": 0.1}) is None
 
 
@@ -525,3 +553,194 @@ def test_every_shortcut_reads_what_the_general_path_reads(obj: Any) -> None:
     for candidate in (obj, {"choices": [], "usage": obj}, {"choices": [], "usage": None, "x": obj}):
         if isinstance(candidate, dict):
             assert extract_usage(candidate) == _extract(candidate)
+
+
+# -- cache writes -------------------------------------------------------------------------------
+
+GPT56_CHAT_BODY: dict[str, Any] = {
+    "id": "chatcmpl-C1",
+    "object": "chat.completion",
+    "model": "gpt-5.6-terra",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {
+        "prompt_tokens": 5200,
+        "completion_tokens": 80,
+        "total_tokens": 5280,
+        "prompt_tokens_details": {"cached_tokens": 4096, "cache_write_tokens": 1024, "audio_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 32, "audio_tokens": 0},
+    },
+}
+"""GPT-5.6 chat: the writes beside the reads, both inside the prompt tokens."""
+
+GPT56_RESPONSE: dict[str, Any] = {
+    "id": "resp_1",
+    "object": "response",
+    "status": "completed",
+    "model": "gpt-5.6-sol",
+    "output": [],
+    "usage": {
+        "input_tokens": 9000,
+        "input_tokens_details": {
+            "cached_tokens": 6000,
+            "cache_write_tokens": 2500,
+            "cache_write_tokens_details": {"ttl_30m_tokens": 2000, "ttl_12h_tokens": 500},
+        },
+        "output_tokens": 120,
+        "output_tokens_details": {"reasoning_tokens": 64},
+        "total_tokens": 9120,
+    },
+}
+"""GPT-5.6 Responses: the writes split by TTL."""
+
+ANTHROPIC_MESSAGE: dict[str, Any] = {
+    "id": "msg_01",
+    "type": "message",
+    "model": "claude-sonnet-4-6",
+    "usage": {
+        "input_tokens": 50,
+        "cache_creation_input_tokens": 1248,
+        "cache_read_input_tokens": 10000,
+        "cache_creation": {"ephemeral_5m_input_tokens": 1000, "ephemeral_1h_input_tokens": 248},
+        "output_tokens": 503,
+        "service_tier": "standard",
+    },
+}
+"""Anthropic: ``input_tokens`` counts only what was neither read nor written."""
+
+
+def test_gpt56_chat_reports_writes_beside_reads() -> None:
+    usage = extract_usage(GPT56_CHAT_BODY)
+    assert usage == Usage(
+        prompt_tokens=5200, completion_tokens=80, cached_tokens=4096, cache_write_tokens=1024, reasoning_tokens=32
+    )
+    assert usage.writes_by_ttl() == [("unknown", 1024)]  # chat does not say for how long
+
+
+def test_gpt56_chat_stream_final_chunk_reports_writes() -> None:
+    chunk = {"id": "chatcmpl-C1", "object": "chat.completion.chunk", "model": "gpt-5.6-terra", "choices": [],
+             "usage": GPT56_CHAT_BODY["usage"]}
+    assert is_usage_only_chunk(chunk)
+    assert extract_usage(chunk) == extract_usage(GPT56_CHAT_BODY)
+
+
+def test_gpt56_responses_split_the_writes_by_ttl() -> None:
+    usage = extract_usage(GPT56_RESPONSE)
+    assert usage == Usage(
+        prompt_tokens=9000,
+        completion_tokens=120,
+        cached_tokens=6000,
+        cache_write_tokens=2500,
+        cache_write_30m_tokens=2000,
+        cache_write_12h_tokens=500,
+        reasoning_tokens=64,
+    )
+    assert usage.writes_by_ttl() == [("30m", 2000), ("12h", 500)]
+
+
+def test_responses_stream_completed_event_carries_the_same_usage() -> None:
+    """A Responses stream's usage arrives in ``response.completed``; the observer reads its
+    ``response`` object, the same shape as a body."""
+    event = {"type": "response.completed", "sequence_number": 41, "response": GPT56_RESPONSE}
+    assert extract_usage(event["response"]) == extract_usage(GPT56_RESPONSE)
+    assert extract_usage({"type": "response.output_text.delta", "delta": "hi"}) is None
+
+
+def test_anthropic_writes_split_into_five_minutes_and_an_hour() -> None:
+    usage = extract_usage(ANTHROPIC_MESSAGE)
+    assert usage == Usage(
+        prompt_tokens=50 + 10000 + 1248,
+        completion_tokens=503,
+        cached_tokens=10000,
+        cache_write_tokens=1248,
+        cache_write_5m_tokens=1000,
+        cache_write_1h_tokens=248,
+        source="anthropic",
+    )
+    assert usage.writes_by_ttl() == [("5m", 1000), ("1h", 248)]
+
+
+def test_anthropic_fields_at_the_top_of_chat_usage() -> None:
+    """A router (OpenRouter, LiteLLM, the reference upstream's ``anthropic_usage``) that adds
+    Anthropic's fields to OpenAI's chat usage: the prompt is OpenAI's, counted once, and the
+    writes are read once although both spellings carry them."""
+    body = {
+        "object": "chat.completion",
+        "usage": {
+            "prompt_tokens": 11298,
+            "completion_tokens": 503,
+            "total_tokens": 11801,
+            "prompt_tokens_details": {"cached_tokens": 10000, "cache_write_tokens": 1248},
+            "cache_read_input_tokens": 10000,
+            "cache_creation_input_tokens": 1248,
+            "cache_creation": {"ephemeral_5m_input_tokens": 1248, "ephemeral_1h_input_tokens": 0},
+        },
+    }
+    usage = extract_usage(body)
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.cached_tokens, usage.cache_write_tokens) == (11298, 10000, 1248)
+    assert usage.writes_by_ttl() == [("5m", 1248), ("1h", 0)]
+
+
+def test_openrouter_reads_and_writes_in_prompt_details() -> None:
+    usage = extract_usage({
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": {"prompt_tokens": 10339, "completion_tokens": 60, "total_tokens": 10399, "cost": 0.0041,
+                  "prompt_tokens_details": {"cached_tokens": 10318, "cache_write_tokens": 0}},
+    })
+    assert usage is not None
+    assert (usage.cached_tokens, usage.cache_write_tokens, usage.billed_usd) == (10318, 0, 0.0041)
+    assert usage.writes_by_ttl() == [("unknown", 0)]  # a reported zero is a known zero
+
+
+def test_a_missing_write_count_is_unknown_not_zero() -> None:
+    for body in (OPENAI_BODY, OPENAI_USAGE_CHUNK, {"usage": {"input_tokens": 10, "output_tokens": 1}}):
+        usage = extract_usage(body)
+        assert usage is not None and usage.cache_write_tokens is None
+        assert usage.writes_by_ttl() == []
+
+
+def test_a_split_without_its_total_or_above_it_gives_the_total() -> None:
+    split_only = extract_usage({"usage": {"input_tokens": 5, "output_tokens": 1, "cache_read_input_tokens": 0,
+                                          "cache_creation": {"ephemeral_1h_input_tokens": 300}}})
+    assert split_only is not None
+    assert (split_only.cache_write_tokens, split_only.prompt_tokens) == (300, 305)
+    assert split_only.writes_by_ttl() == [("1h", 300)]
+    below = extract_usage({"usage": {"input_tokens": 10, "output_tokens": 1,
+                                     "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 4,
+                                                              "cache_write_tokens_details": {"ttl_30m_tokens": 6}}}})
+    assert below is not None and below.cache_write_tokens == 6
+    partial = extract_usage({"usage": {"input_tokens": 10, "output_tokens": 1,
+                                       "input_tokens_details": {"cache_write_tokens": 9,
+                                                                "cache_write_tokens_details": {"ttl_12h_tokens": 4}}}})
+    assert partial is not None and partial.writes_by_ttl() == [("12h", 4), ("unknown", 5)]
+
+
+def test_garbage_in_the_write_fields_drops_them_one_by_one() -> None:
+    usage = extract_usage({"usage": {
+        "input_tokens": 10, "output_tokens": 1, "cache_read_input_tokens": 2,
+        "cache_creation_input_tokens": "lots",
+        "cache_creation": {"ephemeral_5m_input_tokens": -1, "ephemeral_1h_input_tokens": 3},
+    }})
+    assert usage is not None
+    assert (usage.cache_write_tokens, usage.cache_write_5m_tokens, usage.cache_write_1h_tokens) == (3, None, 3)
+    assert usage.prompt_tokens == 10 + 2 + 3
+    assert extract_usage({"usage": {"cache_creation": [1, 2], "prompt_tokens_details": {"cache_write_tokens": True}}}) is None
+
+
+def test_the_reference_upstreams_usage_blocks_are_read_whole() -> None:
+    """The blocks proxy/sim reports in its breakpoint modes, built by its own accounting."""
+    from proxy.sim.accounting import Accounting
+
+    spent = Accounting(prompt_tokens=4000, cached_tokens=1500, completion_tokens=30, reasoning_tokens=0,
+                       cache_write_tokens=2400, long_write_tokens=400, cache_mode="openai-breakpoints")
+    chat = extract_usage({"choices": [], "usage": spent.usage()})
+    assert chat is not None
+    assert (chat.prompt_tokens, chat.cached_tokens, chat.cache_write_tokens) == (4000, 1500, 2400)
+    responses = extract_usage({"usage": spent.response_usage()})
+    assert responses is not None and responses.writes_by_ttl() == [("30m", 2000), ("12h", 400)]
+    anthropic = Accounting(prompt_tokens=4000, cached_tokens=1500, completion_tokens=30, reasoning_tokens=0,
+                           cache_write_tokens=2400, long_write_tokens=400, cache_mode="anthropic", anthropic_usage=True)
+    both = extract_usage({"choices": [], "usage": anthropic.usage()})
+    assert both is not None
+    assert (both.prompt_tokens, both.cached_tokens, both.cache_write_tokens, both.source) == (4000, 1500, 2400, "anthropic")

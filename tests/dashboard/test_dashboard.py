@@ -85,6 +85,13 @@ async def drive(kvwarm: TestServer, openai_client: Any, scenarios: dict[str, Any
     await asyncio.gather(*(one(n, d) for n, d in scenarios.items()), *(fault() for _ in range(faults)))
 
 
+async def responses_turn(kvwarm: TestServer, openai_client: Any) -> None:
+    """One Responses API request (openai SDK): its usage reports the cache writes (zero in the
+    reference upstream's default cache mode), so the write series exist."""
+    response = await openai_client(kvwarm, api_key="sk-responses").responses.create(model=MODEL, input="hi")
+    assert response.usage is not None
+
+
 WORKLOAD = {
     "tools_reordered": SAFE_DRIFTS["tools_reordered"],
     "args_keys_reordered": SAFE_DRIFTS["args_keys_reordered"],
@@ -175,6 +182,7 @@ async def test_selectors_use_real_labels_and_the_variables(make_sim: Any, make_p
     # Enough traffic for every labelled metric to have a series: repairs, breaks, a 5xx.
     await drive(kvwarm, openai_client, {"tools_reordered": SAFE_DRIFTS["tools_reordered"], SEMANTIC: timestamp_in_system},
                 turns=3, faults=1)
+    await responses_turn(kvwarm, openai_client)
     _, labels = exported(await exposition(kvwarm))
     d = load_dashboard()
     for q in panel_queries(d):
@@ -255,6 +263,7 @@ async def test_every_panel_query_returns_data_from_a_real_prometheus(
     await openai_client(kvwarm, api_key="sk-warmup").chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}]
     )
+    await responses_turn(kvwarm, openai_client)
     await wait_until_scraped(prom, kvwarm, scrapes=1)
 
     # Drifting agents, spread over a few scrapes, and one upstream 503 for the error panels.
@@ -304,4 +313,15 @@ async def test_every_panel_query_returns_data_from_a_real_prometheus(
     assert float(over_time["value"][1]) == pytest.approx(expected, abs=0.01)
     assert {r["metric"]["status"] for r in values["Errors [B]"]} == {"5xx"}
     assert {r["metric"]["source"] for r in values["Cost per hour: billed vs estimated [A]"]} == {"estimated"}
+    # What the cache saved: kvwarm's own counters, exactly (the reads less the writes' premium).
+    saved = {by: metric(kvwarm, "kvwarm_cache_savings_usd_total", model=MODEL, by=by) for by in ("cache", "repair")}
+    premium = metric(kvwarm, "kvwarm_cache_write_premium_usd_total", model=MODEL, by="cache")
+    assert saved["cache"] > 0 and saved["repair"] > 0
+    (net,) = values["Saved by the cache (since start) [A]"]
+    assert float(net["value"][1]) == pytest.approx(saved["cache"] + saved["repair"] - premium, rel=1e-9)
+    (by_repair,) = values["Saved by repairs (since start) [A]"]
+    assert float(by_repair["value"][1]) == pytest.approx(saved["repair"], rel=1e-9)
+    written = {r["metric"]["ttl"]: float(r["value"][1]) for r in values["Cache writes by TTL (since start) [A]"]}
+    assert written == {"unknown": metric(kvwarm, "kvwarm_cache_write_tokens_total", model=MODEL, ttl="unknown")}
+    assert {r["metric"]["by"] for r in values["Saved per hour: reads by source, less the write premium [A]"]} == {"cache", "repair"}
     json.dumps(values)  # every value came back as plain JSON

@@ -216,11 +216,16 @@ _request = st.fixed_dictionaries({
     "status": st.sampled_from([200, 200, 502, None]),
     "stream": st.booleans(),
     "usage": st.one_of(st.none(), st.builds(
-        Usage, st.one_of(st.none(), st.integers(0, 5000)), st.one_of(st.none(), st.integers(0, 50)),
-        st.one_of(st.none(), st.integers(0, 5000)), st.one_of(st.none(), st.integers(0, 9)),
-        st.one_of(st.none(), st.integers(0, 9)), st.none(), st.just("openai"),
+        Usage, prompt_tokens=st.one_of(st.none(), st.integers(0, 5000)),
+        completion_tokens=st.one_of(st.none(), st.integers(0, 50)), cached_tokens=st.one_of(st.none(), st.integers(0, 5000)),
+        cache_write_tokens=st.one_of(st.none(), st.integers(0, 9)), cache_write_1h_tokens=st.one_of(st.none(), st.integers(0, 9)),
+        reasoning_tokens=st.one_of(st.none(), st.integers(0, 9)),
     )),
-    "cost": st.one_of(st.none(), st.builds(Cost, st.one_of(st.none(), st.floats(0, 1)), st.booleans())),
+    "cost": st.one_of(st.none(), st.builds(
+        Cost, usd=st.one_of(st.none(), st.floats(0, 1)), billed=st.booleans(),
+        read_saving_usd=st.one_of(st.none(), st.floats(-1, 1)), write_premium_usd=st.one_of(st.none(), st.floats(-1, 1)),
+    )),
+    "rescued_tokens": st.integers(0, 5000),
 })
 
 

@@ -128,7 +128,12 @@ async def test_page_shows_what_metrics_say(
     breaks = by_label(metrics, "kvwarm_prefix_breaks_total", "reason")
     billed = total(metrics, "kvwarm_cost_usd_total", source="billed")
     estimated = total(metrics, "kvwarm_cost_usd_total", source="estimated")
+    written = total(metrics, "kvwarm_cache_write_tokens_total")
+    saved = total(metrics, "kvwarm_cache_savings_usd_total")
+    saved_by_repair = total(metrics, "kvwarm_cache_savings_usd_total", by="repair")
+    premium = total(metrics, "kvwarm_cache_write_premium_usd_total")
     assert cached > 0 and rescued > 0 and estimated > 0
+    assert saved > saved_by_repair > 0
     assert breaks.get("system_changed", 0) > 0 and breaks.get("content_changed", 0) > 0
 
     async with Chromium.launch(tmp_path / "chromium") as browser:
@@ -147,6 +152,10 @@ async def test_page_shows_what_metrics_say(
         assert text["breaks_total"] == count(sum(breaks.values()))
         assert {r["reason"]: r["count"] for r in lists["breaks"]} == {k: count(v) for k, v in breaks.items() if v}
         assert text["cost_today"] == usd(billed + estimated)
+        assert text["cache_rw"] == f"{count(cached)} read · {count(written)} written to the cache"
+        assert text["saved_today"] == usd(saved - premium)
+        assert text["saved_split"] == f"reads saved {usd(saved)} · writes cost {usd(premium)} extra"
+        assert text["saved_repair"] == f"{usd(saved_by_repair)} of it by repairs"
         assert text["cost_split"] == f"billed {usd(billed)} · estimated {usd(estimated)}"
         prompt, completion = (total(metrics, f"kvwarm_{n}_tokens_total") for n in ("prompt", "completion"))
         assert text["tokens_note"] == f"{count(prompt)} prompt · {count(completion)} completion tokens"

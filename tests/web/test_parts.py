@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import tomllib
 from datetime import datetime
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -12,18 +13,18 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from proxy.core.policy import Policy
-from proxy.core.pricing import Cost
+from proxy.core.pricing import Cost, Price, cost_of
 from proxy.core.usage import Usage
 from proxy.metrics import ProxyMetrics
 from proxy.store.base import SessionInfo
 from proxy.store.local import LocalStore
 from proxy.store.memory import MemoryStore
 from proxy.web.activity import Activity, pin_line, toml_string
-from proxy.web.counters import ZERO, Totals, read_counters
+from proxy.web.counters import ZERO, Reading, Totals, read_counters
 from proxy.web.history import History
-from proxy.web.overview import display_url, local_midnight, window_minutes
+from proxy.web.overview import Viewer, build_overview, display_url, local_midnight, window_minutes
 from proxy.web.routes import SessionReads
-from proxy.web.view import chart_paths, fmt_age, fmt_count, fmt_pct, fmt_usd
+from proxy.web.view import build_view, chart_paths, fmt_age, fmt_count, fmt_pct, fmt_usd
 
 T0 = 1_800_000_000.0 - 1_800_000_000.0 % 60
 """A whole minute."""
@@ -59,6 +60,47 @@ def test_counters_are_the_registry_summed_over_labels() -> None:
     assert t.hit_pct == pytest.approx(60.0)
     assert reading.breaks_by_reason == {"system_changed": 2, "content_changed": 1}
     assert registry.get_sample_value("kvwarm_cached_prompt_tokens_total", {"model": "a"}) == t.cached_tokens
+
+
+def test_cache_writes_and_savings_are_read_back() -> None:
+    """The page's "saved by the cache" numbers are the savings counters summed over ``by`` (the
+    repairs' share apart) less the write premium; the written tokens summed over ``ttl``."""
+    registry = CollectorRegistry()
+    metrics = ProxyMetrics(registry)
+    price = Price(input=3.0, cached_input=0.3, cache_write=3.75, cache_write_1h=6.0, output=15.0)
+    first = Usage(prompt_tokens=4100, completion_tokens=10, cached_tokens=0, cache_write_tokens=4000,
+                  cache_write_1h_tokens=4000)
+    second = Usage(prompt_tokens=4300, completion_tokens=10, cached_tokens=4000, cache_write_tokens=200,
+                   cache_write_5m_tokens=200)
+    metrics.observe_request(model="a", status=200, stream=False, duration=0.1, ttfb=0.05, usage=first,
+                            cost=cost_of(first, price))
+    loss = read_counters(registry).totals
+    assert loss.cache_write_tokens == 4000
+    assert loss.net_savings_usd == pytest.approx(-4000 * 3e-6)  # written for an hour, not read yet
+    metrics.observe_request(model="b", status=200, stream=True, duration=0.1, ttfb=0.05, usage=second,
+                            cost=cost_of(second, price), rescued_tokens=1000)
+    t = read_counters(registry).totals
+    assert (t.cached_tokens, t.cache_write_tokens) == (4000, 4200)
+    assert t.savings_usd == pytest.approx(4000 * 2.7e-6)
+    assert t.repair_savings_usd == pytest.approx(1000 * 2.7e-6)
+    assert t.write_premium_usd == pytest.approx(4000 * 3e-6 + 200 * 0.75e-6)
+    assert t.net_savings_usd == pytest.approx(4000 * 2.7e-6 - 4000 * 3e-6 - 200 * 0.75e-6)
+    view = build_view(_overview(t))["text"]
+    assert view["cache_rw"] == "4,000 read · 4,200 written to the cache"
+    assert view["saved_today"] == fmt_usd(t.net_savings_usd) == "-$0.0014"  # -1350 per million
+    assert view["saved_tone"] == "bad"
+    assert view["saved_split"] == f"reads saved {fmt_usd(t.savings_usd)} · writes cost {fmt_usd(t.write_premium_usd)} extra"
+    assert view["saved_repair"] == "$0.0027 of it by repairs"
+
+
+def _overview(current: Totals) -> dict[str, Any]:
+    """The operator's overview of a process that counted ``current`` since midnight."""
+    history = History(started=T0)
+    return build_overview(
+        viewer=Viewer(tenant=None, why="loopback"), reading=Reading(totals=current, breaks_by_reason={}),
+        history=history, activity=Activity(), sessions=[], previews={}, upstreams=[{"url": "http://u", "state": "healthy"}],
+        routing="prefix", now=T0 + 30, pid=1, version="x",
+    )
 
 
 def test_no_known_cache_is_no_hit_ratio() -> None:
@@ -186,6 +228,7 @@ def test_formats() -> None:
     assert (fmt_count(1234567.0), fmt_count(None)) == ("1,234,567", "—")
     assert (fmt_pct(62.449), fmt_pct(None)) == ("62.4 %", "—")
     assert (fmt_usd(0.16104), fmt_usd(1234.5)) == ("$0.1610", "$1,234.50")
+    assert (fmt_usd(-0.0123), fmt_usd(-1234.5), fmt_usd(-0.00001)) == ("-$0.0123", "-$1,234.50", "$0.0000")
     assert (fmt_age(100, 102), fmt_age(100, 400), fmt_age(0, 7300)) == ("just now", "5 min ago", "2 h 1 min ago")
 
 
