@@ -72,7 +72,7 @@ _REGEX_SPECIAL = frozenset(".^$*+?{}[]\\|()")
 _SYSTEM_ROLES = frozenset(("system", "developer"))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Span:
     depth: int
     """Element depth of the changed text."""
@@ -87,7 +87,7 @@ class Span:
     """A ``pin_patterns`` regex matching that shape (empty when the span is too long to pin)."""
 
 
-@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
+@dataclass(init=False, unsafe_hash=True)  # built per request (proxy/core/values.py)
 class Break:
     reason: Final[str]
     """One of :data:`REASONS`."""
@@ -98,9 +98,10 @@ class Break:
 
     def __init__(
         self,
+        *,
         reason: str,
         depth: int,
-        span: Span | None,
+        span: Span | None = None,
     ) -> None:
         self.reason = reason
         self.depth = depth
@@ -233,9 +234,11 @@ def span_of(client: str, stored: str, depth: int) -> Span | None:
         end -= 1
     region = client[start:end]
     if len(region) > _MAX_SHAPE:
-        return Span(depth, start, end - start, _shape(region[:_MAX_SHAPE]) + "…", "")
+        shape = _shape(region[:_MAX_SHAPE]) + "…"
+        return Span(depth=depth, offset=start, length=end - start, shape=shape, hint="")
     shape = _shape(region)
-    return Span(depth, start, end - start, shape, _hint(region, shape) if region else "")
+    hint = _hint(region, shape) if region else ""
+    return Span(depth=depth, offset=start, length=end - start, shape=shape, hint=hint)
 
 
 # -- texts to compare ------------------------------------------------------------------------
@@ -415,13 +418,13 @@ def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break 
     # The newest siblings: a retry or an edit is compared with what was sent last.
     children = list(store.children(parent)[-_MAX_CANDIDATES:])
     if not children:
-        return Break("new_branch", k, None)
+        return Break(reason="new_branch", depth=k)
     if k == 0:
         stored_tools = [_load(c) for c in children]
         client = _tools_text(body.get("tools") or [])
         texts = [_tools_text(t if t is not None else []) for t in stored_tools]
         best = max(texts, key=lambda t: _similarity(client, t))
-        return Break("tools_changed", 0, span_of(client, best, 0))
+        return Break(reason="tools_changed", depth=0, span=span_of(client, best, 0))
 
     policy: Policy = match.policy
     msg = _forwarded_message(body, match, k)
@@ -429,7 +432,7 @@ def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break 
     role = msg.get("role") if type(msg) is dict else None
 
     if k >= 2 and ident == match.identities[k - 1]:
-        return Break("duplicate_replay", k, None)
+        return Break(reason="duplicate_replay", depth=k)
 
     kind = _role_kind(role)
     # Stored siblings are parsed only when a rule needs their bodies: a new turn under a busy
@@ -447,38 +450,38 @@ def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break 
         for c in same_role:
             if check_all or _may_hold_reasoning(c.body):
                 if message_identity(_without_reasoning(_load(c)), policy) == bare:
-                    return Break("reasoning_changed", k, None)
+                    return Break(reason="reasoning_changed", depth=k)
 
     same_all = store.by_identity(match.root, ident)
     same_elsewhere = same_all[-_MAX_DEEPER:]
     if k == 1 and _continues_deeper(store, match, k, same_elsewhere):
         # The request's first message sits deeper in a stored chain: the head was cut off.
-        return Break("truncated_head", k, None)
+        return Break(reason="truncated_head", depth=k)
 
     # A grandchild with this identity is among the tenant's nodes of this identity: none, no probe.
     if (same_all and any(store.get(chain(c.key, ident)) is not None for c in children)) or _descends(
         store, same_elsewhere, parent, k - 1
     ):
-        return Break("message_removed", k, None)
+        return Break(reason="message_removed", depth=k)
 
     if (
         k + 1 < len(match.identities)
         and store.get(chain(parent, match.identities[k + 1])) is not None
     ):
-        return Break("message_inserted", k, None)
+        return Break(reason="message_inserted", depth=k)
 
     if not same_role or (role == "user" and k == len(match.keys) - 1):
         # Nothing of its kind stored here, or a new user turn at the end of the request: whatever
         # its siblings say, nothing after it could have been cached. A new turn, not a break.
-        return Break("new_branch", k, None)
+        return Break(reason="new_branch", depth=k)
 
     loaded = [(c, _load(c)) for c in same_role]
     if kind == "system":
         a, b = _diff_texts(msg, _closest(msg, loaded))
-        return Break("system_changed", k, span_of(a, b, k))
+        return Break(reason="system_changed", depth=k, span=span_of(a, b, k))
 
     if role == "assistant" and any(c.generated for c in same_role):
-        return Break("assistant_modified", k, None)
+        return Break(reason="assistant_modified", depth=k)
 
     a, b = _diff_texts(msg, _closest(msg, loaded))
-    return Break("content_changed", k, span_of(a, b, k))
+    return Break(reason="content_changed", depth=k, span=span_of(a, b, k))

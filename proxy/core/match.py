@@ -37,7 +37,7 @@ _PERMUTATION_BUDGET = 256
 _DEFAULT_POLICY: Final = Policy()
 
 
-@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
+@dataclass(init=False, unsafe_hash=True)  # built per request (proxy/core/values.py)
 class Match:
     """Where a request stands in the tree. Every per-element tuple is in *forwarded* order."""
 
@@ -77,6 +77,7 @@ class Match:
 
     def __init__(
         self,
+        *,
         root: bytes,
         identities: tuple[bytes, ...],
         keys: tuple[bytes, ...],
@@ -120,7 +121,7 @@ class Match:
         return self.matched == len(self.keys)
 
 
-@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
+@dataclass(init=False, unsafe_hash=True)  # built per request (proxy/core/values.py)
 class KnownPrefix:
     """How the first messages of a body re-sent byte for byte were matched the turn before.
 
@@ -146,6 +147,7 @@ class KnownPrefix:
 
     def __init__(
         self,
+        *,
         messages: int,
         match: Match,
         clean: int,
@@ -428,10 +430,22 @@ def _chain(
         identities = (tools_id, *[msg_ids[r] for r in order])
         clean_sizes = (-1, *[sizes[r] for r in order])
         forwarded_dumped = (None, *[dumped[r] for r in order]) if dumped is not None else ()
-    # Positional, in field order: keyword arguments cost a value's constructor about twice as much.
     return Match(
-        root, identities, tuple(keys), tuple(order), len(nodes), tuple(nodes), policy, clean_sizes, forwarded_dumped,
-        tuple(msg_ids), tuple(sizes), tuple(dumped) if dumped is not None else (), clean, tools_clean, ordered,
+        root=root,
+        identities=identities,
+        keys=tuple(keys),
+        order=tuple(order),
+        matched=len(nodes),
+        nodes=tuple(nodes),
+        policy=policy,
+        clean_sizes=clean_sizes,
+        dumped=forwarded_dumped,
+        message_ids=tuple(msg_ids),
+        message_sizes=tuple(sizes),
+        message_dumped=tuple(dumped) if dumped is not None else (),
+        clean=clean,
+        tools_clean=tools_clean,
+        ordered=ordered,
     )
 
 
@@ -486,10 +500,11 @@ def new_nodes(
             data = dumped[depth] if depth < len(dumped) else None
             body = data if data is not None else tight(orjson.dumps(element))
             key = keys[depth]
+            role = ROLE_TOOLS if depth == 0 else intern(_role(element))
             out.append(
                 Node(
-                    key, parent, tenant, depth, ROLE_TOOLS if depth == 0 else intern(_role(element)), identities[depth],
-                    body, count_tokens(body), False, False, now,
+                    key=key, parent=parent, tenant=tenant, depth=depth, role=role, identity=identities[depth],
+                    body=body, tokens=count_tokens(body), created=now,
                 )
             )
             parent = key
@@ -508,8 +523,9 @@ def new_nodes(
         key = chain(parent, identity)
         out.append(
             Node(
-                key, parent, tenant, depth, intern(_role(message) or "assistant"), identity,
-                body, count_tokens(body), True, generated_partial, now,
+                key=key, parent=parent, tenant=tenant, depth=depth, role=intern(_role(message) or "assistant"),
+                identity=identity, body=body, tokens=count_tokens(body), generated=True, partial=generated_partial,
+                created=now,
             )
         )
         parent = key

@@ -16,7 +16,7 @@ PIN_MASK = "\x00pinned\x00"
 """What a pinned span becomes before hashing. NUL never occurs in text a client means to send."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Policy:
     repair: bool = True
     """False: observe only. Match and diagnose, never rewrite (no reorder, no collapse)."""

@@ -222,12 +222,12 @@ class _Body:
         elements = self.elements[:k]
         elements.extend(tail[1:])
         body[self.array] = elements
-        return Recalled(body, k, self.tag, self, cut, close, ends)
+        return Recalled(body=body, shared=k, tag=self.tag, source=self, cut=cut, close=close, ends=ends)
 
 
 # Below _Body, which it names: compiled (proxy/native.py), a class annotation naming a class
 # defined later crashes the module's import.
-@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
+@dataclass(init=False, unsafe_hash=True)  # built per request (proxy/core/values.py)
 class Recalled:
     """A body rebuilt from a remembered one and its own new bytes."""
 
@@ -247,6 +247,7 @@ class Recalled:
 
     def __init__(
         self,
+        *,
         body: dict[str, Any],
         shared: int,
         tag: Any,
@@ -276,7 +277,12 @@ class Recalled:
         if source.match is None:
             return None
         return KnownPrefix(
-            messages, source.match, source.clean, source.top.get("tools"), source.messages, source.tools_clean
+            messages=messages,
+            match=source.match,
+            clean=source.clean,
+            tools=source.top.get("tools"),
+            held=source.messages,
+            tools_clean=source.tools_clean,
         )
 
 

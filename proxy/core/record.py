@@ -26,7 +26,7 @@ __all__ = ["Reply", "ReplyAssembler", "reply_from_body"]
 _REASONING_KEYS = ("reasoning_content", "reasoning")
 
 
-@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
+@dataclass(init=False, unsafe_hash=True)  # built per request (proxy/core/values.py)
 class Reply:
     """One generated assistant message."""
 
@@ -44,6 +44,7 @@ class Reply:
 
     def __init__(
         self,
+        *,
         message: dict[str, Any],
         finish_reason: str | None,
         partial: bool,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import orjson
 
@@ -46,48 +46,28 @@ REPAIR_KINDS = (
 """Every :attr:`Repair.kind` (a bounded metrics label)."""
 
 
-@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Repair:
-    depth: Final[int]
+    depth: int
     """Element depth (0 = tools). For ``duplicate_collapsed``: the forwarded depth the dropped
     message would have had (the depth of the element that now follows its original)."""
-    kind: Final[str]
+    kind: str
     """One of :data:`REPAIR_KINDS`."""
 
-    def __init__(
-        self,
-        depth: int,
-        kind: str,
-    ) -> None:
-        self.depth = depth
-        self.kind = kind
 
-
-@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RepairPlan:
-    repairs: Final[tuple[Repair, ...]]
-    body: Final[dict[str, Any] | None]
+    repairs: tuple[Repair, ...]
+    body: dict[str, Any] | None
     """The body as forwarded, parsed; None: nothing changed, forward the client's original bytes."""
-    rescued_tokens: Final[int]
+    rescued_tokens: int
     """Tokens of the matched elements from the first repaired one onward (what would have been re-prefilled)."""
-    edits: Final[tuple[Edit, ...]]
+    edits: tuple[Edit, ...] = ()
     """The same repair as byte-exact edits of the client's body (paths in the client's indices),
     for :func:`proxy.core.splice.splice`: every byte outside the repaired values stays the client's."""
 
-    def __init__(
-        self,
-        repairs: tuple[Repair, ...],
-        body: dict[str, Any] | None,
-        rescued_tokens: int,
-        edits: tuple[Edit, ...] = (),
-    ) -> None:
-        self.repairs = repairs
-        self.body = body
-        self.rescued_tokens = rescued_tokens
-        self.edits = edits
 
-
-NO_REPAIR = RepairPlan((), None, 0)
+NO_REPAIR = RepairPlan(repairs=(), body=None, rescued_tokens=0)
 
 _SAME: Any = object()
 
@@ -106,15 +86,15 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
         fixed_tools = _repair_tools(body.get("tools"), match.nodes[0].body)
         if fixed_tools is not None:
             new_tools, kind = fixed_tools
-            repairs.append(Repair(0, kind))
-            edits.append(Replace(("tools",), orjson.dumps(new_tools)))
+            repairs.append(Repair(depth=0, kind=kind))
+            edits.append(Replace(path=("tools",), value=orjson.dumps(new_tools)))
 
     order = match.order
     moved = not match.ordered and order != tuple(range(len(messages)))
     out: list[Any] | None = [messages[i] for i in order] if moved else None
     if moved:
         repairs.extend(_order_repairs(messages, order))
-        edits.append(Reorder(("messages",), tuple(order)))
+        edits.append(Reorder(path=("messages",), order=tuple(order)))
 
     last = len(order) - 1
     nodes = match.nodes
@@ -145,7 +125,7 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
         if out is None:
             out = list(messages)
         out[p] = new_msg
-        repairs.extend(Repair(p + 1, k) for k in kinds)
+        repairs.extend(Repair(depth=p + 1, kind=k) for k in kinds)
         edits.extend(_at(("messages", order[p]), change) for change in changes)
 
     if not repairs:
@@ -158,16 +138,16 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
     first = min(r.depth for r in repairs)
     rescued = sum(n.tokens for n in nodes[first:])
     repairs.sort(key=lambda r: r.depth)
-    return RepairPlan(tuple(repairs), new_body, rescued, tuple(edits))
+    return RepairPlan(repairs=tuple(repairs), body=new_body, rescued_tokens=rescued, edits=tuple(edits))
 
 
 def _at(prefix: tuple[str | int, ...], edit: Edit) -> Edit:
     """``edit`` (relative to one message) at ``prefix`` in the body."""
     if isinstance(edit, Replace):
-        return Replace(prefix + edit.path, edit.value)
+        return Replace(path=prefix + edit.path, value=edit.value)
     if isinstance(edit, Reorder):
-        return Reorder(prefix + edit.path, edit.order)
-    return Insert(prefix + edit.path, edit.key, edit.value)
+        return Reorder(path=prefix + edit.path, order=edit.order)
+    return Insert(path=prefix + edit.path, key=edit.key, value=edit.value)
 
 
 def _order_repairs(messages: Sequence[Any], order: Sequence[int]) -> list[Repair]:
@@ -178,13 +158,13 @@ def _order_repairs(messages: Sequence[Any], order: Sequence[int]) -> list[Repair
     for start, end in tool_groups(messages).items():
         seq = [position[r] for r in range(start, end) if r in position]
         if seq != sorted(seq):
-            out.append(Repair(min(seq) + 1, "tool_results_order"))
+            out.append(Repair(depth=min(seq) + 1, kind="tool_results_order"))
     kept = 0
     for r in range(len(messages)):
         if r in position:
             kept += 1
         else:
-            out.append(Repair(kept + 1, "duplicate_collapsed"))
+            out.append(Repair(depth=kept + 1, kind="duplicate_collapsed"))
     return out
 
 
@@ -247,7 +227,7 @@ def _repair_message(
         out = dict(msg)
         out["content"] = content
         kinds.append(kind)
-        changes.append(Replace(("content",), orjson.dumps(content)))
+        changes.append(Replace(path=("content",), value=orjson.dumps(content)))
     calls = msg.get("tool_calls")
     stored_calls = stored.get("tool_calls")
     if type(calls) is list and type(stored_calls) is list and calls and stored_calls:
@@ -340,7 +320,7 @@ def _repair_tool_calls(calls: list[Any], stored: list[Any]) -> tuple[list[Any], 
     changes: list[Edit] = []
     if picked != sorted(picked):
         kinds.append("tool_calls_order")
-        changes.append(Reorder(("tool_calls",), tuple(picked)))
+        changes.append(Reorder(path=("tool_calls",), order=tuple(picked)))
     out: list[Any] = []
     restored_args = False
     for ci, s in zip(picked, stored, strict=True):
@@ -349,7 +329,7 @@ def _repair_tool_calls(calls: list[Any], stored: list[Any]) -> tuple[list[Any], 
         if ca is not None and sa is not None and ca != sa:
             c = {**c, "function": {**c["function"], "arguments": sa}}
             restored_args = True
-            changes.append(Replace(("tool_calls", ci, "function", "arguments"), orjson.dumps(sa)))
+            changes.append(Replace(path=("tool_calls", ci, "function", "arguments"), value=orjson.dumps(sa)))
         out.append(c)
     if restored_args:
         kinds.append("arguments")

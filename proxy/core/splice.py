@@ -92,7 +92,7 @@ Path = tuple[str | int, ...]
 """Object keys and array indices from the top-level value down, in the client's body."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Replace:
     """Set the value at ``path`` (which must exist) to ``value``."""
 
@@ -101,7 +101,7 @@ class Replace:
     """Exactly one JSON value, serialized (no surrounding whitespace needed)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Reorder:
     """The array at ``path`` becomes its own elements (client bytes) in ``order``."""
 
@@ -110,7 +110,7 @@ class Reorder:
     """Original indices, each at most once; the ones left out are dropped."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Insert:
     """Add the member ``key: value`` in front of the object at ``path``, which lacks ``key``."""
 
@@ -133,7 +133,7 @@ REFUSALS = (
 """Every :attr:`Refusal.reason` (a bounded metrics label)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Refusal:
     """Why :func:`try_splice` gave up."""
 
@@ -161,9 +161,9 @@ def try_splice(raw: bytes, edits: Sequence[Edit]) -> bytes | Refusal:
         if skip_space(raw, end) != len(raw):
             raise Refused("invalid_json", ())
     except Refused as refused:
-        return Refusal(refused.reason, refused.path)
+        return Refusal(reason=refused.reason, path=refused.path)
     except IndexError:  # ran off the end of the body in the middle of a value
-        return Refusal("invalid_json", ())
+        return Refusal(reason="invalid_json", path=())
     return b"".join([view[:start], *pieces, view[end:]])
 
 

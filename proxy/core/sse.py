@@ -45,7 +45,7 @@ _BOUNDARY = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 _RESCAN = 3
 
 
-@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
+@dataclass(init=False, unsafe_hash=True)  # built per stream event (proxy/core/values.py)
 class SSEEvent:
     """One event of a stream, with the exact bytes it was made of."""
 
@@ -64,6 +64,7 @@ class SSEEvent:
 
     def __init__(
         self,
+        *,
         raw: bytes,
         payload: bytes | None,
         event: str | None,
@@ -249,7 +250,7 @@ def _whole_events(chunk: bytes) -> tuple[list[SSEEvent], int]:
         data = 5
         if data < len(data_line) and data_line[data] == 0x20:
             data += 1
-        events.append(SSEEvent(chunk[start:after], data_line[data:], event))
+        events.append(SSEEvent(raw=chunk[start:after], payload=data_line[data:], event=event))
         start = after
         i += step
     return events, size - start

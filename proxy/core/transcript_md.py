@@ -122,7 +122,7 @@ _FLAGS = {"-": (False, False), "generated": (True, False), "generated,partial": 
 _ATTRIBUTES = ("depth", "role", "id", "tokens", "created", "flags")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Transcript:
     """One session: the path of nodes from element 0 to the leaf, and its totals."""
 

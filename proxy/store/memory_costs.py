@@ -65,7 +65,8 @@ tracemalloc: 59-117 measured."""
 LEAF_ENTRY = DICT_ENTRY + 72
 """One entry of the LRU of leaves, an OrderedDict: its dict entry, a 32-byte link node and
 a slot of its node table (8 bytes per dict slot); tracemalloc: 117-195 measured under churn."""
-NODE_OVERHEAD = held(sys.getsizeof(Node(b"", b"", b"", 0, "", b"", b""))) + 2 * _KEY + 2 * NUMBER + 2 * DICT_ENTRY
+_NODE = Node(key=b"", parent=b"", tenant=b"", depth=0, role="", identity=b"", body=b"")
+NODE_OVERHEAD = held(sys.getsizeof(_NODE)) + 2 * _KEY + 2 * NUMBER + 2 * DICT_ENTRY
 """Bytes per node beyond its body and its index entries: the Node (128), its key and identity,
 its ``created`` and last-use floats (shared within one request, counted per node: a loaded
 store has one each), and its entries in ``key -> Node`` and ``key -> last use`` (512 in all)."""

@@ -143,7 +143,8 @@ class ReplyDecoder:
                     self._counters.corrupt += 1
                     return None
         node = Node(
-            key, parent, tenant, depth, role, identity, body, tokens, bool(flags & _GENERATED), bool(flags & _PARTIAL), created
+            key=key, parent=parent, tenant=tenant, depth=depth, role=role, identity=identity, body=body,
+            tokens=tokens, generated=bool(flags & _GENERATED), partial=bool(flags & _PARTIAL), created=created,
         )
         return cache.put(node, digest)
 

@@ -99,7 +99,7 @@ def _resent_setup(messages: list[Message], root: bytes) -> tuple[LocalStore, Pre
     for cut in (before, a):
         raw = orjson.dumps(chat_body(copy.deepcopy(messages[:cut])))
         body, plan, recalled = _resent(raw, root, store, resent)
-        turn = turn_write(plan, Reply(messages[cut], "stop", False, "m"), None, None, model="m", client_gone=False, now=0.0)
+        turn = turn_write(plan, Reply(message=messages[cut], finish_reason="stop", partial=False, model="m"), None, None, model="m", client_gone=False, now=0.0)
         assert turn is not None
         store.write_turn_now(turn)
         if not resent.remember_plan(SCOPE, raw, body, plan, recalled):

@@ -200,7 +200,7 @@ class Session:
         t = self.look(body)
         plan = t.planned
         assert plan is not None
-        generated = Reply(reply, "stop", partial, None) if reply is not None else None
+        generated = Reply(message=reply, finish_reason="stop", partial=partial, model=None) if reply is not None else None
         record = turn_write(
             plan, generated, None, None, model="", client_gone=False, now=1000.0, count_tokens=count_tokens
         )

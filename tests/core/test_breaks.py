@@ -61,23 +61,23 @@ def test_no_break_when_everything_is_stored(talked: Session) -> None:
 
 
 def test_new_branch_on_an_empty_store(session: Session) -> None:
-    assert brk(session, user("hi")) == Break("new_branch", 0, None)
+    assert brk(session, user("hi")) == Break(reason="new_branch", depth=0)
 
 
 def test_new_branch_for_the_next_turn(talked: Session) -> None:
-    assert brk(talked, *history(3), user("question 4"), tools=TOOLS) == Break("new_branch", 8, None)
+    assert brk(talked, *history(3), user("question 4"), tools=TOOLS) == Break(reason="new_branch", depth=8)
 
 
 def test_new_task_under_a_shared_system_prompt_is_a_new_branch(talked: Session) -> None:
     assert brk(talked, system(SYSTEM), user("a different task"), tools=TOOLS) == Break(
-        "new_branch", 2, None
+        reason="new_branch", depth=2
     )
 
 
 def test_edited_last_prompt_is_a_new_branch_but_edited_history_is_not(talked: Session) -> None:
     msgs = history(2)
     assert brk(talked, *msgs, user("question 3, rephrased"), tools=TOOLS) == Break(
-        "new_branch", 6, None
+        reason="new_branch", depth=6
     )
     msgs[3] = user("question 2, rephrased")
     b = brk(talked, *msgs, user("question 3"), tools=TOOLS)
@@ -162,7 +162,7 @@ def test_reasoning_dropped_from_the_echo(session: Session) -> None:
         make_chat(user("why?")), assistant("Because.", reasoning_content="Let me think about it.")
     )
     b = brk(session, user("why?"), assistant("Because."), user("ok"))
-    assert b == Break("reasoning_changed", 2, None)
+    assert b == Break(reason="reasoning_changed", depth=2)
 
 
 def test_reasoning_added(session: Session) -> None:
@@ -177,7 +177,7 @@ def test_generated_reply_changed_by_a_plugin(talked: Session) -> None:
     msgs = history(3)
     msgs[4] = assistant("answer 2 [INTERRUPTED]")
     b = brk(talked, *msgs, tools=TOOLS)
-    assert b == Break("assistant_modified", 5, None)
+    assert b == Break(reason="assistant_modified", depth=5)
 
 
 @pytest.mark.parametrize(
@@ -195,7 +195,7 @@ def test_semantic_argument_drift_on_a_generated_reply(
     t = session.look(
         make_chat(user("go"), assistant(None, call("c1", "f", echoed)), result("c1", "ok"))
     )
-    assert t.brk == Break("assistant_modified", 2, None)
+    assert t.brk == Break(reason="assistant_modified", depth=2)
     assert t.plan.body is None, "never rewritten"
 
 
@@ -223,7 +223,7 @@ def test_tool_call_ids_regenerated(session: Session) -> None:
             result("functions_search_0_ab12cd", "r"),
         )
     )
-    assert t.brk == Break("assistant_modified", 2, None)
+    assert t.brk == Break(reason="assistant_modified", depth=2)
 
 
 def test_tool_result_rewritten_by_a_hook(session: Session) -> None:
@@ -241,21 +241,21 @@ def test_tool_result_rewritten_by_a_hook(session: Session) -> None:
 def test_prompt_appended_twice(talked: Session) -> None:
     msgs = history(3)
     b = brk(talked, *msgs[:6], user("question 3"), *msgs[6:], tools=TOOLS)
-    assert b == Break("duplicate_replay", 7, None)
+    assert b == Break(reason="duplicate_replay", depth=7)
 
 
 def test_message_removed(talked: Session) -> None:
     msgs = history(3)
     del msgs[3]  # u2 dropped: the request goes on with the stored grandchild a2
     b = brk(talked, *msgs, tools=TOOLS)
-    assert b == Break("message_removed", 4, None)
+    assert b == Break(reason="message_removed", depth=4)
 
 
 def test_message_inserted(talked: Session) -> None:
     msgs = history(3)
     msgs.insert(3, user("by the way, use metric units"))
     b = brk(talked, *msgs, tools=TOOLS)
-    assert b == Break("message_inserted", 4, None)
+    assert b == Break(reason="message_inserted", depth=4)
 
 
 @pytest.mark.parametrize("dropped_turns", [1, 2])
@@ -263,14 +263,14 @@ def test_history_pruned_after_the_system_prompt(talked: Session, dropped_turns: 
     msgs = history(3)
     # the oldest turns dropped to fit the window, the system prompt kept
     pruned = [msgs[0], *msgs[1 + 2 * dropped_turns :]]
-    assert brk(talked, *pruned, tools=TOOLS) == Break("message_removed", 2, None)
+    assert brk(talked, *pruned, tools=TOOLS) == Break(reason="message_removed", depth=2)
 
 
 @pytest.mark.parametrize("dropped", [1, 3])
 def test_truncated_head(talked: Session, dropped: int) -> None:
     msgs = history(3)
     # the head summarised away, system prompt included: the request starts inside the chain
-    assert brk(talked, *msgs[dropped:], tools=TOOLS) == Break("truncated_head", 1, None)
+    assert brk(talked, *msgs[dropped:], tools=TOOLS) == Break(reason="truncated_head", depth=1)
 
 
 def test_a_message_found_in_another_chain_is_not_removed(talked: Session) -> None:
@@ -284,14 +284,14 @@ def test_new_role_without_a_stored_peer_is_a_new_branch(session: Session) -> Non
     session.turn(make_chat(user("go")), assistant("partial answ"), partial=True)
     # the client dropped the interrupted reply and asked again differently
     b = brk(session, user("go"), user("go on please"))
-    assert b == Break("new_branch", 2, None)
+    assert b == Break(reason="new_branch", depth=2)
 
 
 def test_observe_mode_diagnoses_too(store: DictStore) -> None:
     Session(store=store).turn(make_chat(user("a")), assistant("b"))
     observer = Session(store=store, policy=Policy(repair=False))
     assert observer.look(make_chat(user("a"), assistant("b!"))).brk == Break(
-        "assistant_modified", 2, None
+        reason="assistant_modified", depth=2
     )
 
 
@@ -388,7 +388,7 @@ def test_the_closest_sibling_is_the_most_similar(template: str, client: str, var
     if not siblings:
         return
     scores = [similarity(msg["content"], c["content"]) for c in siblings]
-    node = Node(b"k", b"p", b"t", 1, "system", b"i", b"{}")
+    node = Node(key=b"k", parent=b"p", tenant=b"t", depth=1, role="system", identity=b"i", body=b"{}")
     assert _closest(msg, [(node, c) for c in siblings]) is siblings[scores.index(max(scores))]
 
 

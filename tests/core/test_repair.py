@@ -44,7 +44,7 @@ def test_stripped_reply_whitespace_is_restored(session: Session) -> None:
     session.turn(make_chat(user("write code")), assistant("def f():\n    return 1\n"))
     echo = make_chat(user("write code"), assistant("def f():\n    return 1"), user("thanks"))
     t = session.look(echo)
-    assert t.plan.repairs == (Repair(2, "whitespace"),)
+    assert t.plan.repairs == (Repair(depth=2, kind="whitespace"),)
     assert messages_of(t)[1]["content"] == "def f():\n    return 1\n"
     assert messages_of(t)[2] == user("thanks")
     assert t.plan.rescued_tokens == t.match.nodes[2].tokens
@@ -276,7 +276,7 @@ def test_rescued_tokens_count_from_the_first_repair(session: Session) -> None:
     session.turn(make_chat(*msgs[:2]), msgs[2])
     session.turn(make_chat(*msgs[:4]), msgs[4])
     t = session.look(make_chat(*msgs[:2], assistant("two"), *msgs[3:], user("five")))
-    assert t.plan.repairs == (Repair(3, "whitespace"),)
+    assert t.plan.repairs == (Repair(depth=3, kind="whitespace"),)
     assert t.plan.rescued_tokens == sum(n.tokens for n in t.match.nodes[3:])
 
 

@@ -51,23 +51,23 @@ CHAT = (
 
 
 def test_replace_sets_one_value_and_keeps_every_other_byte() -> None:
-    out = spliced(CHAT, Replace(("messages", 1, "content"), b'"hi"'))
+    out = spliced(CHAT, Replace(path=("messages", 1, "content"), value=b'"hi"'))
     assert out == CHAT.replace(b'"hi  "', b'"hi"')
 
 
 def test_replace_keeps_the_whitespace_around_the_value() -> None:
     raw = b'{ "a" :\r\n\t[ 1 ,\n 2 ] ,"b":{ "c" : "x" } }'
-    assert spliced(raw, Replace(("a", 1), b"3")) == b'{ "a" :\r\n\t[ 1 ,\n 3 ] ,"b":{ "c" : "x" } }'
+    assert spliced(raw, Replace(path=("a", 1), value=b"3")) == b'{ "a" :\r\n\t[ 1 ,\n 3 ] ,"b":{ "c" : "x" } }'
     assert (
-        spliced(raw, Replace(("b", "c"), b"null"))
+        spliced(raw, Replace(path=("b", "c"), value=b"null"))
         == b'{ "a" :\r\n\t[ 1 ,\n 2 ] ,"b":{ "c" : null } }'
     )
-    assert spliced(raw, Replace(("a",), b"{}")) == b'{ "a" :\r\n\t{} ,"b":{ "c" : "x" } }'
+    assert spliced(raw, Replace(path=("a",), value=b"{}")) == b'{ "a" :\r\n\t{} ,"b":{ "c" : "x" } }'
 
 
 def test_replace_of_the_whole_body_keeps_the_surrounding_whitespace() -> None:
-    assert spliced(b' \n{"a":1}\t', Replace((), b"[]")) == b" \n[]\t"
-    assert spliced(b"3", Replace((), b'"x"')) == b'"x"'
+    assert spliced(b' \n{"a":1}\t', Replace(path=(), value=b"[]")) == b" \n[]\t"
+    assert spliced(b"3", Replace(path=(), value=b'"x"')) == b'"x"'
 
 
 def test_replace_of_a_whole_message_and_of_its_tool_calls() -> None:
@@ -76,17 +76,17 @@ def test_replace_of_a_whole_message_and_of_its_tool_calls() -> None:
         b'{"name":"f","arguments":"{\\"x\\": 1}"}},{"id":"a"}]}]}'
     )
     calls = b'[{"id":"a"},{"id":"b","function":{"name":"f","arguments":"{\\"x\\":1}"}}]'
-    out = spliced(raw, Replace(("messages", 0, "tool_calls"), calls))
+    out = spliced(raw, Replace(path=("messages", 0, "tool_calls"), value=calls))
     assert orjson.loads(out)["messages"][0]["tool_calls"] == orjson.loads(calls)
     assert out.startswith(b'{"messages":[{"role":"assistant","content":null,"tool_calls":')
-    whole = spliced(raw, Replace(("messages", 0), b'{"role":"user","content":"x"}'))
+    whole = spliced(raw, Replace(path=("messages", 0), value=b'{"role":"user","content":"x"}'))
     assert whole == b'{"messages":[{"role":"user","content":"x"}]}'
 
 
 def test_replace_with_the_same_bytes_returns_the_body_unchanged() -> None:
     raw = b'{"a" : [1, {"b": "\\u00e9\\"x"}] , "c":2}'
-    assert spliced(raw, Replace(("a", 1, "b"), b'"\\u00e9\\"x"')) == raw
-    assert spliced(raw, Replace(("a",), b'[1, {"b": "\\u00e9\\"x"}]')) == raw
+    assert spliced(raw, Replace(path=("a", 1, "b"), value=b'"\\u00e9\\"x"')) == raw
+    assert spliced(raw, Replace(path=("a",), value=b'[1, {"b": "\\u00e9\\"x"}]')) == raw
     assert spliced(raw) == raw  # no edits: the body itself
 
 
@@ -96,30 +96,30 @@ def test_replace_with_the_same_bytes_returns_the_body_unchanged() -> None:
 def test_reorder_moves_whole_elements_between_fixed_separators() -> None:
     raw = b'{"m": [\n  {"i":0},\n  {"i":1} ,\n  "two"\n]}'
     assert (
-        spliced(raw, Reorder(("m",), (2, 0, 1))) == b'{"m": [\n  "two",\n  {"i":0} ,\n  {"i":1}\n]}'
+        spliced(raw, Reorder(path=("m",), order=(2, 0, 1))) == b'{"m": [\n  "two",\n  {"i":0} ,\n  {"i":1}\n]}'
     )
     assert (
-        spliced(raw, Reorder(("m",), (1, 0, 2))) == b'{"m": [\n  {"i":1},\n  {"i":0} ,\n  "two"\n]}'
+        spliced(raw, Reorder(path=("m",), order=(1, 0, 2))) == b'{"m": [\n  {"i":1},\n  {"i":0} ,\n  "two"\n]}'
     )
 
 
 def test_reorder_drops_the_indices_it_leaves_out() -> None:
     raw = b'{"m":[ 1 , 2 ,3 ]}'
-    assert spliced(raw, Reorder(("m",), (0, 2))) == b'{"m":[ 1 , 3 ]}'
-    assert spliced(raw, Reorder(("m",), (2,))) == b'{"m":[ 3 ]}'
-    assert spliced(raw, Reorder(("m",), ())) == b'{"m":[  ]}'
-    assert json.loads(spliced(raw, Reorder(("m",), ()))) == {"m": []}
+    assert spliced(raw, Reorder(path=("m",), order=(0, 2))) == b'{"m":[ 1 , 3 ]}'
+    assert spliced(raw, Reorder(path=("m",), order=(2,))) == b'{"m":[ 3 ]}'
+    assert spliced(raw, Reorder(path=("m",), order=())) == b'{"m":[  ]}'
+    assert json.loads(spliced(raw, Reorder(path=("m",), order=()))) == {"m": []}
 
 
 def test_reorder_in_order_and_of_an_empty_array_changes_nothing() -> None:
     raw = b'{"m":[ 1 , 2 ,3 ], "e": [ ]}'
-    assert spliced(raw, Reorder(("m",), (0, 1, 2))) == raw
-    assert spliced(raw, Reorder(("e",), ())) == raw
+    assert spliced(raw, Reorder(path=("m",), order=(0, 1, 2))) == raw
+    assert spliced(raw, Reorder(path=("e",), order=())) == raw
 
 
 def test_reorder_moves_elements_with_duplicate_keys_whole() -> None:
     raw = b'[{"content":"A","content":"B"},{"n":1e400,"big":18446744073709551616}]'
-    out = spliced(raw, Reorder((), (1, 0)))
+    out = spliced(raw, Reorder(path=(), order=(1, 0)))
     assert out == b'[{"n":1e400,"big":18446744073709551616},{"content":"A","content":"B"}]'
 
 
@@ -127,9 +127,9 @@ def test_edits_inside_a_reordered_array_name_the_clients_indices() -> None:
     raw = b'{"messages":[{"content":"zero"},{"content":"one"},{"content":"two"},{"content":"one"}]}'
     out = spliced(
         raw,
-        Reorder(("messages",), (2, 0, 1)),  # the replayed duplicate (index 3) dropped
-        Replace(("messages", 0, "content"), b'"ZERO"'),
-        Replace(("messages", 2, "content"), b'"TWO"'),
+        Reorder(path=("messages",), order=(2, 0, 1)),  # the replayed duplicate (index 3) dropped
+        Replace(path=("messages", 0, "content"), value=b'"ZERO"'),
+        Replace(path=("messages", 2, "content"), value=b'"TWO"'),
     )
     assert out == b'{"messages":[{"content":"TWO"},{"content":"ZERO"},{"content":"one"}]}'
 
@@ -138,9 +138,9 @@ def test_nested_reorders_and_a_replace_in_the_same_message() -> None:
     raw = b'{"messages":[{"tool_calls":[{"id":"b"},{"id":"a"}],"content":"x "},{"content":"y"}]}'
     out = spliced(
         raw,
-        Reorder(("messages",), (1, 0)),
-        Reorder(("messages", 0, "tool_calls"), (1, 0)),
-        Replace(("messages", 0, "content"), b'"x"'),
+        Reorder(path=("messages",), order=(1, 0)),
+        Reorder(path=("messages", 0, "tool_calls"), order=(1, 0)),
+        Replace(path=("messages", 0, "content"), value=b'"x"'),
     )
     assert (
         out
@@ -153,21 +153,21 @@ def test_nested_reorders_and_a_replace_in_the_same_message() -> None:
 
 def test_insert_goes_in_front_of_the_first_member() -> None:
     raw = b'{"model":"m","stream":true}'
-    out = spliced(raw, Insert((), "stream_options", b'{"include_usage":true}'))
+    out = spliced(raw, Insert(path=(), key="stream_options", value=b'{"include_usage":true}'))
     assert out == b'{"stream_options":{"include_usage":true},"model":"m","stream":true}'
 
 
 def test_insert_into_an_empty_object_and_into_a_nested_one() -> None:
-    assert spliced(b"{}", Insert((), "a", b"1")) == b'{"a":1}'
-    assert spliced(b"{ \n }", Insert((), "a", b"1")) == b'{"a":1 \n }'
+    assert spliced(b"{}", Insert(path=(), key="a", value=b"1")) == b'{"a":1}'
+    assert spliced(b"{ \n }", Insert(path=(), key="a", value=b"1")) == b'{"a":1 \n }'
     raw = b'{"stream_options": {"x": 1}}'
-    assert spliced(raw, Insert(("stream_options",), "include_usage", b"true")) == (
+    assert spliced(raw, Insert(path=("stream_options",), key="include_usage", value=b"true")) == (
         b'{"stream_options": {"include_usage":true,"x": 1}}'
     )
 
 
 def test_several_inserts_keep_their_order_and_keys_are_escaped() -> None:
-    out = spliced(b'{"z":0}', Insert((), "a", b"1"), Insert((), 'q"\\é', b"2"))
+    out = spliced(b'{"z":0}', Insert(path=(), key="a", value=b"1"), Insert(path=(), key='q"\\é', value=b"2"))
     assert out == '{"a":1,"q\\"\\\\é":2,"z":0}'.encode()
     assert json.loads(out) == {"a": 1, 'q"\\é': 2, "z": 0}
 
@@ -175,8 +175,8 @@ def test_several_inserts_keep_their_order_and_keys_are_escaped() -> None:
 def test_insert_with_repairs_in_one_splice() -> None:
     out = spliced(
         CHAT,
-        Insert((), "stream_options", b'{"include_usage":true}'),
-        Replace(("messages", 1, "content"), b'"hi"'),
+        Insert(path=(), key="stream_options", value=b'{"include_usage":true}'),
+        Replace(path=("messages", 1, "content"), value=b'"hi"'),
     )
     assert out == b'{"stream_options":{"include_usage":true},' + CHAT[1:].replace(
         b'"hi  "', b'"hi"'
@@ -205,18 +205,18 @@ def test_insert_with_repairs_in_one_splice() -> None:
     ],
 )
 def test_a_key_twice_in_an_object_on_the_path_is_refused(raw: bytes, path: tuple[Any, ...]) -> None:
-    assert refusal(raw, Replace(path, b'"x"')) == "duplicate_key"
+    assert refusal(raw, Replace(path=path, value=b'"x"')) == "duplicate_key"
 
 
 def test_duplicate_keys_off_the_path_are_fine() -> None:
     raw = b'{"messages":[{"content":"A","content":"B"},{"content":"C"}],"x":{"k":1,"k":2}}'
-    out = spliced(raw, Replace(("messages", 1, "content"), b'"D"'))
+    out = spliced(raw, Replace(path=("messages", 1, "content"), value=b'"D"'))
     assert out == raw.replace(b'"C"', b'"D"')
 
 
 def test_insert_into_an_object_with_a_key_twice_is_refused() -> None:
     assert (
-        refusal(b'{"model":"a","model":"b"}', Insert((), "stream_options", b"{}"))
+        refusal(b'{"model":"a","model":"b"}', Insert(path=(), key="stream_options", value=b"{}"))
         == "duplicate_key"
     )
 
@@ -232,7 +232,7 @@ def test_insert_into_an_object_with_a_key_twice_is_refused() -> None:
 )
 def test_a_duplicate_key_inside_the_replaced_value_is_refused(value: bytes) -> None:
     raw = b'{"messages":[{"tool_calls":' + value + b"}]}"
-    assert refusal(raw, Replace(("messages", 0, "tool_calls"), b"[]")) == "duplicate_key"
+    assert refusal(raw, Replace(path=("messages", 0, "tool_calls"), value=b"[]")) == "duplicate_key"
 
 
 @pytest.mark.parametrize(
@@ -252,8 +252,8 @@ def test_a_duplicate_key_inside_the_replaced_value_is_refused(value: bytes) -> N
 )
 def test_a_number_orjson_would_change_inside_the_replaced_value_is_refused(number: bytes) -> None:
     raw = b'{"messages":[{"tool_calls":[{"function":{"x":' + number + b"}}]}]}"
-    assert refusal(raw, Replace(("messages", 0, "tool_calls"), b"[]")) == "unsafe_number"
-    assert refusal(b'{"seed":' + number + b"}", Replace(("seed",), b"1")) == "unsafe_number"
+    assert refusal(raw, Replace(path=("messages", 0, "tool_calls"), value=b"[]")) == "unsafe_number"
+    assert refusal(b'{"seed":' + number + b"}", Replace(path=("seed",), value=b"1")) == "unsafe_number"
 
 
 @pytest.mark.parametrize(
@@ -263,12 +263,12 @@ def test_a_number_orjson_would_change_inside_the_replaced_value_is_refused(numbe
 )  # fmt: skip
 def test_a_number_orjson_keeps_inside_the_replaced_value_is_fine(number: bytes) -> None:
     raw = b'{"a":[' + number + b',{"n":' + number + b"}]}"
-    assert spliced(raw, Replace(("a",), b"[]")) == b'{"a":[]}'
+    assert spliced(raw, Replace(path=("a",), value=b"[]")) == b'{"a":[]}'
 
 
 def test_numbers_outside_replaced_values_stay_as_sent() -> None:
     raw = b'{"seed": 18446744073709551616, "t": -0, "x": 1E400, "m":[{"content":"a"}], "y": 1e-400}'
-    out = spliced(raw, Replace(("m", 0, "content"), b'"b"'), Reorder(("m",), (0,)))
+    out = spliced(raw, Replace(path=("m", 0, "content"), value=b'"b"'), Reorder(path=("m",), order=(0,)))
     assert out == raw.replace(b'"a"', b'"b"')
 
 
@@ -295,7 +295,7 @@ def test_numbers_outside_replaced_values_stay_as_sent() -> None:
     ],
 )
 def test_a_body_that_is_not_json_where_splice_reads_it_is_refused(raw: bytes) -> None:
-    assert refusal(raw, Replace(("m", 0, "content"), b'"b"')) == "invalid_json"
+    assert refusal(raw, Replace(path=("m", 0, "content"), value=b'"b"')) == "invalid_json"
 
 
 @pytest.mark.parametrize(
@@ -311,24 +311,24 @@ def test_a_body_that_is_not_json_where_splice_reads_it_is_refused(raw: bytes) ->
     ],
 )
 def test_a_replaced_value_orjson_cannot_read_is_refused(value: bytes) -> None:
-    assert refusal(b'{"c":' + value + b"}", Replace(("c",), b'"b"')) == "invalid_json"
+    assert refusal(b'{"c":' + value + b"}", Replace(path=("c",), value=b'"b"')) == "invalid_json"
 
 
 @pytest.mark.parametrize(
     ("raw", "edit"),
     [
-        (CHAT, Replace(("messages", 3, "content"), b'"x"')),
-        (CHAT, Replace(("messages", 0, "name"), b'"x"')),
-        (CHAT, Replace(("nope",), b'"x"')),
-        (CHAT, Replace(("messages", "0"), b'"x"')),  # a key into an array
-        (CHAT, Replace((0,), b'"x"')),  # an index into an object
-        (CHAT, Replace(("model", "x"), b'"x"')),  # through a string
-        (CHAT, Replace(("seed", 0), b'"x"')),
-        (CHAT, Reorder(("model",), ())),
-        (CHAT, Reorder(("messages", 0), ())),  # an object is not reordered
-        (CHAT, Insert(("messages",), "k", b"1")),  # an array gets no members
-        (CHAT, Insert(("missing",), "k", b"1")),
-        (b"[]", Replace((0,), b"1")),
+        (CHAT, Replace(path=("messages", 3, "content"), value=b'"x"')),
+        (CHAT, Replace(path=("messages", 0, "name"), value=b'"x"')),
+        (CHAT, Replace(path=("nope",), value=b'"x"')),
+        (CHAT, Replace(path=("messages", "0"), value=b'"x"')),  # a key into an array
+        (CHAT, Replace(path=(0,), value=b'"x"')),  # an index into an object
+        (CHAT, Replace(path=("model", "x"), value=b'"x"')),  # through a string
+        (CHAT, Replace(path=("seed", 0), value=b'"x"')),
+        (CHAT, Reorder(path=("model",), order=())),
+        (CHAT, Reorder(path=("messages", 0), order=())),  # an object is not reordered
+        (CHAT, Insert(path=("messages",), key="k", value=b"1")),  # an array gets no members
+        (CHAT, Insert(path=("missing",), key="k", value=b"1")),
+        (b"[]", Replace(path=(0,), value=b"1")),
     ],
 )
 def test_a_path_that_leads_nowhere_is_refused(raw: bytes, edit: Edit) -> None:
@@ -336,34 +336,34 @@ def test_a_path_that_leads_nowhere_is_refused(raw: bytes, edit: Edit) -> None:
 
 
 def test_insert_of_a_key_the_object_has_is_refused() -> None:
-    assert refusal(CHAT, Insert((), "seed", b"1")) == "key_exists"
-    assert refusal(b'{"\\u0073eed":1}', Insert((), "seed", b"1")) == "key_exists"
-    assert refusal(b'{"a":{"b":1}}', Insert(("a",), "b", b"1")) == "key_exists"
+    assert refusal(CHAT, Insert(path=(), key="seed", value=b"1")) == "key_exists"
+    assert refusal(b'{"\\u0073eed":1}', Insert(path=(), key="seed", value=b"1")) == "key_exists"
+    assert refusal(b'{"a":{"b":1}}', Insert(path=("a",), key="b", value=b"1")) == "key_exists"
 
 
 @pytest.mark.parametrize(
     "edits",
     [
-        [Replace(("seed",), b"1"), Replace(("seed",), b"2")],
-        [Replace(("messages",), b"[]"), Replace(("messages", 0, "content"), b'"x"')],
-        [Replace(("messages", 0, "content"), b'"x"'), Replace(("messages",), b"[]")],
-        [Replace(("messages",), b"[]"), Reorder(("messages",), (0,))],
-        [Replace((), b"{}"), Insert((), "a", b"1")],
-        [Reorder(("messages",), (0, 1)), Reorder(("messages",), (1, 0))],
-        [Reorder(("messages",), (0, 0))],
-        [Reorder(("messages",), (0, 3))],  # no element 3
-        [Reorder(("messages",), (-1,))],
-        [Reorder(("messages",), (1, 2)), Replace(("messages", 0, "content"), b'"x"')],  # dropped
-        [Insert((), "a", b"1"), Insert((), "a", b"2")],
-        [Insert((), "seed", b"1"), Replace(("seed",), b"2")],
-        [Replace(("seed",), b"")],
-        [Replace(("seed",), b"1 2")],
-        [Replace(("seed",), b"{")],
-        [Replace(("seed",), b"NaN")],
-        [Insert((), "a", b"tru")],
-        [Replace(("messages", -1), b"1")],
-        [Replace(("messages", True), b"1")],  # type: ignore[list-item]
-        [Replace(("messages", 1.0), b"1")],  # type: ignore[arg-type]
+        [Replace(path=("seed",), value=b"1"), Replace(path=("seed",), value=b"2")],
+        [Replace(path=("messages",), value=b"[]"), Replace(path=("messages", 0, "content"), value=b'"x"')],
+        [Replace(path=("messages", 0, "content"), value=b'"x"'), Replace(path=("messages",), value=b"[]")],
+        [Replace(path=("messages",), value=b"[]"), Reorder(path=("messages",), order=(0,))],
+        [Replace(path=(), value=b"{}"), Insert(path=(), key="a", value=b"1")],
+        [Reorder(path=("messages",), order=(0, 1)), Reorder(path=("messages",), order=(1, 0))],
+        [Reorder(path=("messages",), order=(0, 0))],
+        [Reorder(path=("messages",), order=(0, 3))],  # no element 3
+        [Reorder(path=("messages",), order=(-1,))],
+        [Reorder(path=("messages",), order=(1, 2)), Replace(path=("messages", 0, "content"), value=b'"x"')],  # dropped
+        [Insert(path=(), key="a", value=b"1"), Insert(path=(), key="a", value=b"2")],
+        [Insert(path=(), key="seed", value=b"1"), Replace(path=("seed",), value=b"2")],
+        [Replace(path=("seed",), value=b"")],
+        [Replace(path=("seed",), value=b"1 2")],
+        [Replace(path=("seed",), value=b"{")],
+        [Replace(path=("seed",), value=b"NaN")],
+        [Insert(path=(), key="a", value=b"tru")],
+        [Replace(path=("messages", -1), value=b"1")],
+        [Replace(path=("messages", True), value=b"1")],  # type: ignore[list-item]
+        [Replace(path=("messages", 1.0), value=b"1")],  # type: ignore[arg-type]
     ],
 )
 def test_edits_that_contradict_each_other_or_themselves_are_refused(edits: list[Edit]) -> None:
@@ -371,10 +371,10 @@ def test_edits_that_contradict_each_other_or_themselves_are_refused(edits: list[
 
 
 def test_refusal_names_where() -> None:
-    out = try_splice(b'{"a":{"b":1,"b":2}}', [Replace(("a", "b"), b"3")])
-    assert out == Refusal("duplicate_key", ("a", "b"))
-    assert try_splice(CHAT, [Replace(("messages", 9), b"1")]) == Refusal(
-        "missing_path", ("messages", 9)
+    out = try_splice(b'{"a":{"b":1,"b":2}}', [Replace(path=("a", "b"), value=b"3")])
+    assert out == Refusal(reason="duplicate_key", path=("a", "b"))
+    assert try_splice(CHAT, [Replace(path=("messages", 9), value=b"1")]) == Refusal(
+        reason="missing_path", path=("messages", 9)
     )
 
 
@@ -403,12 +403,12 @@ ODD_STRINGS = [
 @pytest.mark.parametrize("text", ODD_STRINGS)
 def test_strings_are_skipped_to_their_real_end(text: bytes) -> None:
     raw = b'{"skip":' + text + b',"in":[' + text + b',{"k":' + text + b'}],\r\n\t"t" : 1 }'
-    out = spliced(raw, Replace(("t",), b"2"))
+    out = spliced(raw, Replace(path=("t",), value=b"2"))
     assert out == raw[: -len(b"1 }")] + b"2 }"
     assert json.loads(out)["skip"] == json.loads(text)
-    moved = spliced(raw, Reorder(("in",), (1, 0)))
+    moved = spliced(raw, Reorder(path=("in",), order=(1, 0)))
     assert json.loads(moved)["in"] == [{"k": json.loads(text)}, json.loads(text)]
-    assert refusal(raw + b"]", Replace(("t",), b"2")) == "invalid_json"
+    assert refusal(raw + b"]", Replace(path=("t",), value=b"2")) == "invalid_json"
 
 
 @pytest.mark.parametrize(
@@ -429,7 +429,7 @@ def test_strings_are_skipped_to_their_real_end(text: bytes) -> None:
 )
 def test_values_of_every_form_are_skipped_whole(value: bytes) -> None:
     raw = b'\r\n {\t"v" :' + value + b', "list" : [' + value + b" , " + value + b'] ,"t":0 } \n'
-    out = spliced(raw, Replace(("t",), b"1"), Reorder(("list",), (1,)))
+    out = spliced(raw, Replace(path=("t",), value=b"1"), Reorder(path=("list",), order=(1,)))
     # The one element left sits between the array's first and last separators: "[" and "]".
     assert out == raw.replace(b"[" + value + b" , " + value + b"]", b"[" + value + b"]").replace(
         b'"t":0', b'"t":1'
@@ -438,16 +438,16 @@ def test_values_of_every_form_are_skipped_whole(value: bytes) -> None:
 
 def test_keys_on_the_path_are_compared_after_unescaping() -> None:
     raw = b'{"\\u006dessages":[{"c\\u006Fntent":"a","\\ud83d\\ude00":1}]}'
-    out = spliced(raw, Replace(("messages", 0, "content"), b'"b"'))
+    out = spliced(raw, Replace(path=("messages", 0, "content"), value=b'"b"'))
     assert out == raw.replace(b'"a"', b'"b"')
-    assert spliced(raw, Replace(("messages", 0, "\U0001f600"), b"2")) == raw.replace(b":1}", b":2}")
+    assert spliced(raw, Replace(path=("messages", 0, "\U0001f600"), value=b"2")) == raw.replace(b":1}", b":2}")
 
 
 def test_whitespace_everywhere() -> None:
     raw = (
         b' \r\n\t{ \r\n\t"a" \r\n\t: \r\n\t[ \r\n\t1 \r\n\t, \r\n\t{ \r\n\t} \r\n\t] \r\n\t} \r\n\t'
     )
-    out = spliced(raw, Reorder(("a",), (1, 0)), Insert(("a", 1), "k", b"null"))
+    out = spliced(raw, Reorder(path=("a",), order=(1, 0)), Insert(path=("a", 1), key="k", value=b"null"))
     assert out == raw.replace(b"1 \r\n\t, \r\n\t{ \r\n\t}", b'{"k":null \r\n\t} \r\n\t, \r\n\t1')
 
 
@@ -457,7 +457,7 @@ def test_a_many_megabyte_transcript_with_a_repair_at_its_end() -> None:
     raw = orjson.dumps(body)
     order = (*range(1000), 1001, 1000, *range(1002, 2000))
     out = spliced(
-        raw, Reorder(("messages",), order), Replace(("messages", 1999, "content"), b'"z"')
+        raw, Reorder(path=("messages",), order=order), Replace(path=("messages", 1999, "content"), value=b'"z"')
     )
     expected = [messages[i] for i in order]
     expected[-1] = {**expected[-1], "content": "z"}
@@ -519,8 +519,8 @@ def _benchmark() -> None:  # pragma: no cover - run manually
         raw = orjson.dumps({"model": "m", "messages": messages, "stream": True})
         order = (*range(100), 101, 100, *range(102, 500))
         edits: list[Edit] = [
-            Replace(("messages", 499, "content"), b'"restored"'),
-            Reorder(("messages",), order),
+            Replace(path=("messages", 499, "content"), value=b'"restored"'),
+            Reorder(path=("messages",), order=order),
         ]
         assert splice(raw, edits) is not None
         loads = best(lambda raw=raw: orjson.loads(raw))

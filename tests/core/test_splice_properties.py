@@ -373,17 +373,17 @@ def edit_sets(draw: st.DrawFn, root: Node, raw: bytes) -> list[Edit]:
         kind = draw(st.sampled_from(["replace", "replace_same", "reorder", "insert"]))
         path, node = draw(st.sampled_from(where if draw(st.integers(0, 9)) == 0 else inner))
         if kind == "replace":
-            edits.append(Replace(path, orjson.dumps(draw(REPLACEMENTS))))
+            edits.append(Replace(path=path, value=orjson.dumps(draw(REPLACEMENTS))))
         elif kind == "replace_same":
-            edits.append(Replace(path, raw[node.start : node.end]))
+            edits.append(Replace(path=path, value=raw[node.start : node.end]))
         elif kind == "reorder":
             n = len(node.items) if node.kind == "arr" else draw(st.integers(0, 3))
             order = draw(st.permutations(range(n)))
             keep = draw(st.integers(0, n))
             bad = draw(st.sampled_from([(), (), (), (), (0,), (n,)]))
-            edits.append(Reorder(path, tuple(order[:keep]) + bad))
+            edits.append(Reorder(path=path, order=tuple(order[:keep]) + bad))
         else:
-            edits.append(Insert(path, draw(KEYS), orjson.dumps(draw(REPLACEMENTS))))
+            edits.append(Insert(path=path, key=draw(KEYS), value=orjson.dumps(draw(REPLACEMENTS))))
     return edits
 
 
@@ -442,11 +442,11 @@ def test_replacing_a_value_with_its_own_bytes_returns_the_body_unchanged(
 ) -> None:
     raw = write(root, rnd)
     path, node = data.draw(st.sampled_from(paths(root)))
-    out = splice(raw, [Replace(path, raw[node.start : node.end])])
-    assert (out is None) == refused(root, [Replace(path, b"0")])
+    out = splice(raw, [Replace(path=path, value=raw[node.start : node.end])])
+    assert (out is None) == refused(root, [Replace(path=path, value=b"0")])
     assert out is None or out == raw
     if node.kind == "arr":
-        same = splice(raw, [Reorder(path, tuple(range(len(node.items))))])
+        same = splice(raw, [Reorder(path=path, order=tuple(range(len(node.items))))])
         assert same is None or same == raw
 
 
@@ -467,9 +467,9 @@ def test_a_duplicate_key_on_an_edit_path_is_always_refused(
     raw = write(root, rnd)
     target = (*path, key)
     choices: list[Edit] = [
-        Replace(target, b'"x"'),
-        Replace(path, b"{}"),  # the object itself is replaced: a duplicate inside
-        Insert(path, "\x01new", b"1"),
+        Replace(path=target, value=b'"x"'),
+        Replace(path=path, value=b"{}"),  # the object itself is replaced: a duplicate inside
+        Insert(path=path, key="\x01new", value=b"1"),
     ]
     edits = [data.draw(st.sampled_from(choices))]
     assert splice(raw, edits) is None
@@ -507,16 +507,16 @@ def test_a_planner_shaped_repair_reads_back_as_the_repaired_body(
     n = len(root.members[0][1].items)
     order = tuple(data.draw(st.permutations(range(n))))[: data.draw(st.integers(max(0, n - 1), n))]
     restored = dict(data.draw(st.lists(st.tuples(st.integers(0, n - 1), TEXTS), max_size=3)))
-    edits: list[Edit] = [Reorder(("messages",), order)] if data.draw(st.booleans()) else []
+    edits: list[Edit] = [Reorder(path=("messages",), order=order)] if data.draw(st.booleans()) else []
     if not edits:
         order = tuple(range(n))
     edits += [
-        Replace(("messages", i, "content"), orjson.dumps(as_read(t)))
+        Replace(path=("messages", i, "content"), value=orjson.dumps(as_read(t)))
         for i, t in restored.items()
         if i in order and not has_surrogate(t)
     ]
     if not edits or data.draw(st.booleans()):
-        edits.append(Insert((), "stream_options", b'{"include_usage":true}'))
+        edits.append(Insert(path=(), key="stream_options", value=b'{"include_usage":true}'))
     out = splice(raw, edits)
     if refused(root, edits):
         assert out is None
@@ -571,7 +571,7 @@ def test_the_usage_option_inserted_in_one_step_is_the_splice(
         assume(False)
     member = b'"stream_options":{"include_usage":true}'
     fast = insert_first_member(raw, member)
-    slow = splice(raw, (Insert((), "stream_options", b'{"include_usage":true}'),))
+    slow = splice(raw, (Insert(path=(), key="stream_options", value=b'{"include_usage":true}'),))
     sure = raw.count(b'"stream"') == 1 and b'"stream_options"' not in raw and b"\\u" not in raw
     assert (fast is not None) == sure
     if fast is not None:

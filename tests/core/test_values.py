@@ -1,9 +1,9 @@
-"""Value classes and records (proxy/core/values.py): a compiled one's hand-written constructor
-takes and sets exactly its fields, in order, with their defaults; a compiled module holds no
+"""Value classes and records (proxy/core/values.py): a hand-written constructor takes each field
+by keyword and sets it, a copy made by one keeps every field, and a compiled module holds no
 class mypyc cannot make native.
 
-Read from the sources (``ast``), so a constructor that drops, swaps or renames a field fails
-here whether or not the package was compiled.
+Read from the sources (``ast``), so a constructor that drops or renames a field fails here
+whether or not the package was compiled. (mypy does not see a ``Final`` field left unset.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _decorator_name(node: ast.expr) -> str:
     return ast.unparse(target)
 
 
-def _value_classes() -> list[tuple[str, ast.ClassDef]]:
+def _hand_written() -> list[tuple[str, ast.ClassDef]]:
     """Every ``@dataclass(init=False, ...)`` class of the package, by module: its constructor is
     written by hand (for mypyc to compile it)."""
     found = []
@@ -42,23 +42,23 @@ def _value_classes() -> list[tuple[str, ast.ClassDef]]:
     return found
 
 
-VALUE_CLASSES = _value_classes()
+HAND_WRITTEN = _hand_written()
 
 
-def test_the_hot_values_are_written_as_compiled_value_classes() -> None:
-    names = {f"{module}.{cls.name}" for module, cls in VALUE_CLASSES}
+def test_the_values_built_per_request_have_compiled_constructors() -> None:
+    """A generated ``__init__`` runs as Python even in a compiled module (proxy/core/values.py)."""
+    names = {f"{module}.{cls.name}" for module, cls in HAND_WRITTEN}
     for name in (
         "proxy.core.model.Node",
+        "proxy.core.model.SessionTotals",
         "proxy.core.model.TurnWrite",
         "proxy.core.match.Match",
         "proxy.core.match.KnownPrefix",
         "proxy.core.plan.TurnPlan",
         "proxy.core.prefix.Recalled",
-        "proxy.core.usage.Usage",
         "proxy.core.record.Reply",
-        "proxy.wire.base.Outgoing",
-        "proxy.core.model.SessionTotals",
-        "proxy.report.Answer",
+        "proxy.core.breaks.Break",
+        "proxy.core.sse.SSEEvent",
     ):
         assert name in names
 
@@ -71,8 +71,8 @@ def _is_value(cls: ast.ClassDef) -> bool:
     )
 
 
-@pytest.mark.parametrize(("module", "cls"), VALUE_CLASSES, ids=lambda v: getattr(v, "name", v))
-def test_a_compiled_constructor_takes_and_sets_its_fields_in_order(module: str, cls: ast.ClassDef) -> None:
+@pytest.mark.parametrize(("module", "cls"), HAND_WRITTEN, ids=lambda v: getattr(v, "name", v))
+def test_a_hand_written_constructor_takes_each_field_by_keyword_and_sets_it(module: str, cls: ast.ClassDef) -> None:
     fields, defaults = [], {}
     for stmt in cls.body:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
@@ -86,14 +86,14 @@ def test_a_compiled_constructor_takes_and_sets_its_fields_in_order(module: str, 
             fields.append(name)
     inits = [s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"]
     assert len(inits) == 1, f"{cls.name} has no __init__ of its own"
-    init = inits[0]
-    params = [a.arg for a in init.args.args[1:]]
+    args = inits[0].args
+    assert len(args.args) == 1 and args.vararg is None and args.kwarg is None, f"{cls.name}.__init__ is not keyword-only"
+    params = [a.arg for a in args.kwonlyargs]
     assert params == fields, f"{cls.name}.__init__ takes {params}, its fields are {fields}"
-    assert not init.args.kwonlyargs and init.args.vararg is None and init.args.kwarg is None
     if defaults:
-        given = dict(zip(params[len(params) - len(init.args.defaults) :], map(ast.unparse, init.args.defaults), strict=True))
+        given = {p: ast.unparse(d) for p, d in zip(params, args.kw_defaults, strict=True) if d is not None}
         assert given == defaults, f"{cls.name}.__init__'s defaults are not its fields' defaults"
-    assigned = [ast.unparse(s) for s in init.body if not isinstance(s, ast.Expr)]
+    assigned = [ast.unparse(s) for s in inits[0].body if not isinstance(s, ast.Expr)]
     assert assigned == [f"self.{f} = {f}" for f in fields], f"{cls.name}.__init__ must only assign its fields, in order"
 
     # And the class the package imports is the dataclass those fields describe.
@@ -104,9 +104,8 @@ def test_a_compiled_constructor_takes_and_sets_its_fields_in_order(module: str, 
 
 
 NATIVE_DECORATORS = {"dataclass", "mypyc_attr", "trait", "final"}
-"""The class decorators mypyc keeps a native class under (``mypyc/irbuild/util.py``); any
-other (:func:`~proxy.core.values.value` included) leaves an ordinary Python class, whose
-fields compiled code reads by attribute lookup."""
+"""The class decorators mypyc keeps a native class under (``mypyc/irbuild/util.py``); any other
+leaves an ordinary Python class, whose fields compiled code reads by attribute lookup."""
 
 
 @pytest.mark.parametrize("module", native.COMPILED)
@@ -119,19 +118,34 @@ def test_a_compiled_module_declares_no_class_mypyc_cannot_make_native(module: st
 
 
 def test_a_copy_made_by_the_constructor_keeps_every_field() -> None:
-    """``with_tokens`` and ``with_view`` rebuild a value positionally (``dataclasses.replace`` costs
-    more than the request's planning): a field added and not passed on would be lost."""
-    from proxy.core.model import Node
+    """``with_tokens``, ``with_view`` and the memory store's ``copy_totals`` call the constructor
+    (``dataclasses.replace`` costs some 50 times as much): a field added to the class and not
+    passed on there would silently take its default."""
+    from proxy.core.model import Node, SessionTotals
     from proxy.core.plan import TurnPlan
     from proxy.core.repair import NO_REPAIR
+    from proxy.store.memory_sessions import copy_totals
     from proxy.wire.responses import ItemsView
 
-    node = Node(b"k" * 16, b"p" * 16, b"t" * 16, 3, "user", b"i" * 16, b"{}", -1, True, True, 12.5)
+    node = Node(
+        key=b"k" * 16, parent=b"p" * 16, tenant=b"t" * 16, depth=3, role="user", identity=b"i" * 16, body=b"{}",
+        tokens=-1, generated=True, partial=True, created=12.5,
+    )
     assert node.with_tokens(7) == dataclasses.replace(node, tokens=7)
     view = ItemsView([{"role": "user", "content": "x"}], [(0,)], 0)
-    plan = TurnPlan(b"r" * 16, None, NO_REPAIR, None, {"messages": []}, 4, b"spliced", "refused", 2, True, None)
+    plan = TurnPlan(
+        root=b"r" * 16, match=None, repair=NO_REPAIR, brk=None, forwarded={"messages": []}, messages=4,
+        spliced=b"spliced", refused="refused", clean=2, tools_clean=True,
+    )
     assert plan.with_view(view) == dataclasses.replace(plan, view=view)
     assert all(getattr(plan.with_view(view), f.name) is getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "view")
+    totals = SessionTotals(
+        turns=1, prompt_tokens=2, cached_tokens=3, completion_tokens=4, unknown_cache_turns=5, cost_usd=6.5,
+        billed=True, repaired=7, last_break="content_changed", model="m", created=8.5, updated=9.5,
+    )
+    assert all(getattr(totals, f.name) != f.default for f in dataclasses.fields(totals))
+    copied = copy_totals(totals)
+    assert copied == totals and copied is not totals
 
 
 PLAIN_SUBCLASSES_OF_COMPILED = {"proxy.store.sqlite.SqliteStore"}

@@ -138,7 +138,7 @@ class Planner:
     def record(self, plan: TurnPlan, reply: dict[str, Any]) -> None:
         # The tail path records as the request path does: the reply's identity through the memo.
         memo = self.memo if self.resent is not None else None
-        turn = turn_write(plan, Reply(reply, "stop", False, "m"), None, None, model="m", client_gone=False, now=1.0, memo=memo)
+        turn = turn_write(plan, Reply(message=reply, finish_reason="stop", partial=False, model="m"), None, None, model="m", client_gone=False, now=1.0, memo=memo)
         if turn is not None:
             self.store.write_turn_now(turn)
 

@@ -301,7 +301,7 @@ def test_a_turns_new_nodes_are_kept_as_they_are_and_accounted(clock):
         body = {"model": "m", "messages": [dict(m) for m in messages]}
         plan = plan_turn(body, root, store.view(root), policy, memo)
         reply = {"role": "assistant", "content": f"answer {turn_no}"}
-        turn = turn_write(plan, Reply(reply, "stop", False, "m"), None, None, model="m", client_gone=False, now=1.0, memo=memo)
+        turn = turn_write(plan, Reply(message=reply, finish_reason="stop", partial=False, model="m"), None, None, model="m", client_gone=False, now=1.0, memo=memo)
         assert turn is not None and turn.nodes
         store.write_turn_now(turn)
         for node in turn.nodes:

@@ -148,9 +148,9 @@ async def test_write_turn_moves_totals_down_the_path(store: AsyncStore, tenant, 
     t1 = make_path(tenant, [("system", "s"), "q1", ("assistant", "a1")])
     t2 = make_path(tenant, [("system", "s"), "q1", ("assistant", "a1"), "q2", ("assistant", "a2")])
     fork = make_path(tenant, [("system", "s"), "other"])
-    await store.write_turn(TurnWrite(t1, (), t1[-1].key, totals(1, 10.0), 10.0))
-    await store.write_turn(TurnWrite(t2[4:], keys(t2[:4]), t2[-1].key, totals(2, 20.0, last_break="content_changed"), 20.0))
-    await store.write_turn(TurnWrite(fork[2:], keys(fork[:2]), fork[-1].key, totals(4, 30.0, billed=True), 30.0))
+    await store.write_turn(TurnWrite(nodes=t1, path=(), leaf=t1[-1].key, totals=totals(1, 10.0), now=10.0))
+    await store.write_turn(TurnWrite(nodes=t2[4:], path=keys(t2[:4]), leaf=t2[-1].key, totals=totals(2, 20.0, last_break="content_changed"), now=20.0))
+    await store.write_turn(TurnWrite(nodes=fork[2:], path=keys(fork[:2]), leaf=fork[-1].key, totals=totals(4, 30.0, billed=True), now=30.0))
 
     sessions = await store.sessions(tenant)
     assert [(s.leaf, s.depth) for s in sessions] == [(fork[-1].key, 2), (t2[-1].key, 5)], "latest first"
@@ -210,7 +210,7 @@ async def test_backends_agree_on_a_random_forest(server, prefix, make_path, make
             nodes = make_path(t, msgs)
             leaf = nodes[-1].key
             for s in (memory, shared):
-                await s.write_turn(TurnWrite(nodes, (), leaf, totals(i, float(i)), float(i)))
+                await s.write_turn(TurnWrite(nodes=nodes, path=(), leaf=leaf, totals=totals(i, float(i)), now=float(i)))
             every.extend(nodes)
         for t in tenants:
             mine = [n for n in every if n.tenant == t]
@@ -374,7 +374,7 @@ async def test_admin_calls_find_the_tenant_of_a_bare_leaf(redis_pair, tenant, ma
     """The admin API may name only a leaf: a store that never saw it finds its tenant."""
     a, _ = redis_pair
     path = make_path(tenant, ["hello", ("assistant", "hi")])
-    await a.write_turn(TurnWrite(path, (), path[-1].key, totals(1, 1.0), 1.0))
+    await a.write_turn(TurnWrite(nodes=path, path=(), leaf=path[-1].key, totals=totals(1, 1.0), now=1.0))
     fresh = RedisStore(a.url, ttl_seconds=60, prefix=a._prefix, cache_bytes=0)
     await fresh.open()
     try:
@@ -388,9 +388,9 @@ async def test_admin_calls_find_the_tenant_of_a_bare_leaf(redis_pair, tenant, ma
 async def test_a_long_path(redis_pair, tenant, make_path):
     a, b = redis_pair
     long = make_path(tenant, [f"m{i}" for i in range(1500)])
-    await a.write_turn(TurnWrite(long, (), long[-1].key, totals(1, 1.0), 1.0))
+    await a.write_turn(TurnWrite(nodes=long, path=(), leaf=long[-1].key, totals=totals(1, 1.0), now=1.0))
     more = make_path(tenant, [*(f"m{i}" for i in range(1500)), "next"])
-    await b.write_turn(TurnWrite(more[-1:], keys(more[:-1]), more[-1].key, totals(1, 2.0), 2.0))
+    await b.write_turn(TurnWrite(nodes=more[-1:], path=keys(more[:-1]), leaf=more[-1].key, totals=totals(1, 2.0), now=2.0))
     assert b.counters.healed == 0
     assert await a.path(more[-1].key, tenant) == more
     assert (await a.totals(more[-1].key, tenant)).turns == 2  # type: ignore[union-attr]
@@ -409,7 +409,7 @@ async def test_a_retried_write_is_counted_once(redis_pair, tenant, make_path):
 
     client.execute_command = twice  # type: ignore[method-assign]
     path = make_path(tenant, ["once"])
-    await a.write_turn(TurnWrite(path, (), path[-1].key, totals(1, 1.0), 1.0))
+    await a.write_turn(TurnWrite(nodes=path, path=(), leaf=path[-1].key, totals=totals(1, 1.0), now=1.0))
     again = await a.add_turn(path[-1].key, None, totals(1, 2.0))
     client.execute_command = sent  # type: ignore[method-assign]
     assert again.turns == 2
@@ -455,7 +455,7 @@ async def test_killed_redis_fails_fast_and_recovers(tmp_path: Path, tenant, make
     await store.open()
     try:
         path = make_path(tenant, ["hello", ("assistant", "hi")])
-        await store.write_turn(TurnWrite(path, (), path[-1].key, totals(1, 1.0), 1.0))
+        await store.write_turn(TurnWrite(nodes=path, path=(), leaf=path[-1].key, totals=totals(1, 1.0), now=1.0))
         assert store.health() == "ok"
 
         srv.kill()
@@ -465,7 +465,7 @@ async def test_killed_redis_fails_fast_and_recovers(tmp_path: Path, tenant, make
         with pytest.raises(StoreError):
             await store.fill(view)
         for call_ in (
-            lambda: store.write_turn(TurnWrite(path, (), path[-1].key, totals(1, 2.0), 2.0)),
+            lambda: store.write_turn(TurnWrite(nodes=path, path=(), leaf=path[-1].key, totals=totals(1, 2.0), now=2.0)),
             lambda: store.sessions(tenant),
             lambda: store.path(path[-1].key, tenant),
             lambda: store.totals(path[-1].key, tenant),
@@ -539,7 +539,7 @@ async def test_full_redis_raises_and_reads_still_work(server, prefix, tenant, ma
     await fresh.open()
     path = make_path(tenant, ["a", ("assistant", "b")])
     more = make_path(tenant, ["a", ("assistant", "b"), "c"])
-    turn = TurnWrite(more[2:], keys(more[:2]), more[-1].key, totals(1, 1.0), 1.0)
+    turn = TurnWrite(nodes=more[2:], path=keys(more[:2]), leaf=more[-1].key, totals=totals(1, 1.0), now=1.0)
     try:
         await store.insert(path)
         server.cli("config", "set", "maxmemory-policy", "noeviction")
@@ -564,11 +564,11 @@ async def test_a_wiped_redis_is_healed_from_the_process_cache(redis_pair, server
     """Redis restarted without persistence: the next turn puts its matched path back."""
     a, b = redis_pair
     t1 = make_path(tenant, [("system", "s"), "q1", ("assistant", "a1")])
-    await a.write_turn(TurnWrite(t1, (), t1[-1].key, totals(1, 1.0), 1.0))
+    await a.write_turn(TurnWrite(nodes=t1, path=(), leaf=t1[-1].key, totals=totals(1, 1.0), now=1.0))
     for key in server.cli("--scan", "--pattern", f"{a._prefix}:{{*").split():
         server.cli("del", key)
     t2 = make_path(tenant, [("system", "s"), "q1", ("assistant", "a1"), "q2"])
-    await a.write_turn(TurnWrite(t2[3:], keys(t2[:3]), t2[-1].key, totals(1, 2.0), 2.0))
+    await a.write_turn(TurnWrite(nodes=t2[3:], path=keys(t2[:3]), leaf=t2[-1].key, totals=totals(1, 2.0), now=2.0))
     assert a.counters.healed == 3
     assert await b.path(t2[-1].key, tenant) == t2
 
@@ -590,12 +590,12 @@ async def test_sliding_ttl(server, prefix, tenant, make_path):
     try:
         kept = make_path(tenant, ["kept", ("assistant", "x" * 3000)])
         dropped = make_path(tenant, ["dropped"])
-        await store.write_turn(TurnWrite(kept, (), kept[-1].key, totals(1, time.time()), time.time()))
-        await store.write_turn(TurnWrite(dropped, (), dropped[-1].key, totals(1, time.time()), time.time()))
+        await store.write_turn(TurnWrite(nodes=kept, path=(), leaf=kept[-1].key, totals=totals(1, time.time()), now=time.time()))
+        await store.write_turn(TurnWrite(nodes=dropped, path=(), leaf=dropped[-1].key, totals=totals(1, time.time()), now=time.time()))
         await asyncio.sleep(0.4)
         more = make_path(tenant, ["kept", ("assistant", "x" * 3000), "on"])
         now = time.time()
-        await store.write_turn(TurnWrite(more[3:], keys(more[:3]), more[-1].key, totals(1, now), now))
+        await store.write_turn(TurnWrite(nodes=more[3:], path=keys(more[:3]), leaf=more[-1].key, totals=totals(1, now), now=now))
         await asyncio.sleep(0.35)
         # 0.75 s after the first writes: the touched path lives on, the other session expired.
         fresh = RedisStore(server.url, ttl_seconds=0.6, secret=SECRET, prefix=prefix, cache_bytes=0)

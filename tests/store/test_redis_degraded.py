@@ -216,12 +216,12 @@ async def test_a_replica_follows_the_secret_a_newcomer_stored_and_says_so_once(
     try:
         before = old.secret()
         path = make_path(tenant, ["hello", ("assistant", "hi")])
-        await old.write_turn(TurnWrite(path, (), path[-1].key, SessionTotals(turns=1), 1.0))
+        await old.write_turn(TurnWrite(nodes=path, path=(), leaf=path[-1].key, totals=SessionTotals(turns=1), now=1.0))
         own_redis.cli("flushall")  # Redis lost everything; no connection noticed it
         await new.open()  # the newcomer stores a secret of its own
         assert new.secret() != before
         more = make_path(tenant, ["hello", ("assistant", "hi"), "again"])
-        turn = TurnWrite(more[-1:], [n.key for n in path], more[-1].key, SessionTotals(turns=1), 2.0)
+        turn = TurnWrite(nodes=more[-1:], path=[n.key for n in path], leaf=more[-1].key, totals=SessionTotals(turns=1), now=2.0)
         with caplog.at_level(logging.WARNING, logger="proxy.store.redis_link"):
             with pytest.raises(StoreError, match="secret changed"):
                 await old.write_turn(turn)  # finds its path gone: Redis lost data; the secret is checked
