@@ -3,10 +3,11 @@
 Everything a request tells the outside world about itself is written here, from
 the request's frozen plan and its :class:`Answer`:
 
-``x-kvwarm-prefix: matched=12/14; repaired=3; rescued=5120; break=content_changed@13``
+``x-kvwarm-prefix: matched=12/14; repaired=3; rescued=5120; break=content_changed@13; breakpoints=2``
     ``matched`` counts leading messages found in the store out of the request's
     messages (the ``tools`` array is element 0 and not counted); ``break`` names the
-    reason and the message index (``tools`` for the tools array).
+    reason and the message index (``tools`` for the tools array); ``breakpoints`` the cache
+    markers kvwarm added (:mod:`proxy.core.breakpoints`; absent where the upstream takes none).
 ``x-kvwarm-break: content_changed at messages[0] offset=.. length=.. shape=.. hint=..``
     The changed span by shape only, never the client's text.
 
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from .core.breakpoints import Marks
 from .core.plan import TurnPlan
 from .core.pricing import Cost
 from .core.record import Reply
@@ -58,6 +60,8 @@ class Answer:
     client_gone: bool = False
     failed: Sequence[str] = ()
     """Stages that failed open (the request's fail-open guard's list)."""
+    marks: Marks | None = None
+    """The cache markers kvwarm placed on the request sent (None: the upstream takes none)."""
 
     def __init__(
         self,
@@ -69,6 +73,7 @@ class Answer:
         cost: Cost | None = None,
         client_gone: bool = False,
         failed: Sequence[str] = (),
+        marks: Marks | None = None,
     ) -> None:
         self.status = status
         self.ttfb = ttfb
@@ -77,6 +82,7 @@ class Answer:
         self.cost = cost
         self.client_gone = client_gone
         self.failed = failed
+        self.marks = marks
 
 
 class BreakSink(Protocol):
@@ -130,11 +136,16 @@ class Reporter:
 
     def _write(self, api: str, model: str, stream: bool, plan: TurnPlan | None, answer: Answer, duration: float) -> None:
         m = self.metrics
+        marks = answer.marks
         m.observe_request(
             model=model, status=answer.status, stream=stream, duration=duration,
             ttfb=answer.ttfb, usage=answer.usage, cost=answer.cost,
             rescued_tokens=plan.repair.rescued_tokens if plan is not None else 0,
+            breakpoint_reads=marks is not None and marks.reads_ours,
+            breakpoint_writes=marks is not None and marks.writes_ours,
         )
+        if marks is not None:
+            m.observe_breakpoints(marks.dialect, [mark.kind for mark in marks.placed], marks.refused)
         brk = plan.broke if plan is not None else None
         if plan is not None:
             if plan.match is not None:
@@ -173,8 +184,9 @@ def _log_line(api: str, model: str, stream: bool, plan: TurnPlan | None, answer:
     )
 
 
-def visibility_headers(plan: TurnPlan) -> dict[str, str]:
-    """The ``x-kvwarm-prefix`` (and ``x-kvwarm-break``) headers of a planned request."""
+def visibility_headers(plan: TurnPlan, marks: Marks | None = None) -> dict[str, str]:
+    """The ``x-kvwarm-prefix`` (and ``x-kvwarm-break``) headers of a planned request (``marks``:
+    the cache markers kvwarm placed on it)."""
     if plan.match is None:
         return {}
     parts = [f"matched={plan.matched_messages}/{plan.messages}"]
@@ -192,6 +204,8 @@ def visibility_headers(plan: TurnPlan) -> dict[str, str]:
                 f"{brk.reason} at {_where(span.depth)} offset={span.offset} length={span.length} "
                 f"shape={span.shape} hint={span.hint}"
             )
+    if marks is not None:
+        parts.append(f"breakpoints={len(marks.placed)}")
     headers[PREFIX_HEADER] = "; ".join(parts)
     return headers
 

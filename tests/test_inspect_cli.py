@@ -28,13 +28,12 @@ from proxy.core import transcript_md
 from proxy.core.identity import message_identity, tools_identity
 from proxy.core.match import chain, tenant_root
 from proxy.errors import TranscriptFormatError
-from proxy.pipeline import LATER
 from proxy.sim.render import render_tokens
 from proxy.store.base import Node, SessionTotals
 from proxy.store.local import LocalStore
 from proxy.store.memory import MemoryStore
 from proxy.store.sqlite import SqliteStore
-from proxy.tokens import TokenCounter
+from proxy.tokens import LATER, TokenCounter
 from tests.agents import Agent, args_keys_reordered, tools_reordered
 from tests.conftest import ProxyFactory, poster, received
 

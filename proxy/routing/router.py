@@ -2,14 +2,14 @@
 
 The request path asks once per request (:meth:`Router.route`) and gets a
 :class:`Route`; :meth:`Route.send` places the request (:mod:`proxy.routing.placement`),
-builds its bytes for that replica (they depend on the replica's traits, and carry the
-``prompt_cache_key`` when one is due), and sends it. A request that could not reach its
-replica before a byte was sent (refused, unreachable, connect timeout) is sent to the next
-one, so no request fails while another replica could take it; the replica is ejected. The
-answer comes back as a :class:`Lease`: the response, the replica, the outgoing value. Once
-the turn is recorded, :meth:`Lease.done` settles the replica's health and remembers the
-turn's prefix as living there (:mod:`proxy.routing.affinity`); leaving the lease's
-``async with`` frees its in-flight slot.
+has its :class:`Payload` made for that replica (the bytes depend on the replica's traits, and
+carry the route's ``prompt_cache_key`` when one is due), and sends it. A request that could
+not reach its replica before a byte was sent (refused, unreachable, connect timeout) is sent
+to the next one, so no request fails while another replica could take it; the replica is
+ejected. The answer comes back as a :class:`Lease`: the response, the replica, the outgoing
+value. Once the turn is recorded, :meth:`Lease.done` settles the replica's health and
+remembers the turn's prefix as living there (:mod:`proxy.routing.affinity`); leaving the
+lease's ``with`` frees its in-flight slot.
 
 With one upstream there is nothing to choose: the request goes there (its health is still
 tracked and shown), no affinity is kept, and no routing decision is counted.
@@ -65,6 +65,14 @@ class Outcome(Protocol):
 
 
 OutT = TypeVar("OutT", bound=Outgoing)
+OutT_co = TypeVar("OutT_co", bound=Outgoing, covariant=True)
+
+
+class Payload(Protocol[OutT_co]):
+    """What a request is sent with, made for the replica that takes it (the wire's bytes depend
+    on the replica's traits), with the route's ``prompt_cache_key`` (:attr:`Route.cache_key`)."""
+
+    def for_replica(self, replica: Replica) -> OutT_co: ...
 
 
 class Router:
@@ -227,9 +235,9 @@ class Route:
         path: str,
         query: str,
         headers: Mapping[str, str],
-        prepare: Callable[[Replica], OutT],
+        payload: Payload[OutT],
     ) -> Lease[OutT]:
-        """Place, prepare the bytes for the replica, send; on a failure before any byte was
+        """Place, make the payload for the replica, send; on a failure before any byte was
         sent, the next replica. Raises the last error when no replica could be reached."""
         router = self.router
         tried: set[int] = set()
@@ -239,7 +247,7 @@ class Route:
                 router.decided(kind)
             else:
                 replica = router.replicas[0]  # nothing to choose, nothing to count
-            outgoing = prepare(replica)
+            outgoing = payload.for_replica(replica)
             trial = replica.health.begin()
             replica.inflight += 1
             try:

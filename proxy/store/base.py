@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..core.model import ROLE_TOOLS, Node, NodeReader, SessionTotals, TurnWrite
+
+if TYPE_CHECKING:
+    from ..tokens import TokenCounter, TokenCounts
 
 __all__ = [
     "ROLE_TOOLS",
@@ -186,6 +189,12 @@ class AsyncStore(Protocol):
     async def write_turn(self, turn: TurnWrite) -> None:
         """Insert the turn's nodes (insert-if-absent), touch its path, add its totals. Durable
         enough that the next request on any process sees it once this returns (shared stores)."""
+        ...
+
+    def token_counts(self, counter: TokenCounter) -> TokenCounts:
+        """How this store's nodes get their token counts (:mod:`proxy.tokens`): written uncounted
+        and counted when read, the counts kept (a local store that can keep them), or counted
+        before they are written (a shared store: every process reads them)."""
         ...
 
     async def insert(self, nodes: Sequence[Node]) -> int: ...

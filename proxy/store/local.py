@@ -11,6 +11,7 @@ from typing import cast
 
 from mypy_extensions import mypyc_attr
 
+from ..tokens import TokenCounter, TokenCounts
 from .base import (
     Lookups,
     Node,
@@ -89,6 +90,11 @@ class LocalStore:
         else:
             previous = next((k for k in reversed(turn.path) if store.totals(k) is not None), None)
             store.add_turn(turn.leaf, previous if previous != turn.leaf else None, turn.totals)
+
+    def token_counts(self, counter: TokenCounter) -> TokenCounts:
+        """A turn's nodes are written uncounted and counted when read, the counts kept
+        (:meth:`fill_tokens`); a store that cannot keep them has them counted before the write."""
+        return TokenCounts(counter, self.view, self.fill_tokens if self.fills_tokens else None)
 
     def fill_tokens(self, counts: Mapping[bytes, int]) -> int:
         """Token counts of nodes written uncounted (see :attr:`fills_tokens`); 0 when unsupported."""

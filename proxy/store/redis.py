@@ -61,6 +61,7 @@ from collections.abc import Callable, Sequence
 
 from ..core.model import Node, SessionTotals, TurnWrite
 from ..errors import ConfigError, StoreError
+from ..tokens import TokenCounter, TokenCounts
 from .base import SessionInfo, StoreStats, StoreView
 from .redis_admin import RedisAdmin
 from .redis_affinity import RedisAffinity
@@ -231,6 +232,10 @@ class RedisStore:
 
     async def write_turn(self, turn: TurnWrite) -> None:
         await self._writes.write_turn(turn)
+
+    def token_counts(self, counter: TokenCounter) -> TokenCounts:
+        """Every node is counted before it is written: each process reads the counts of all."""
+        return TokenCounts(counter, self.view)
 
     def affinity(self, ttl_seconds: float) -> RedisAffinity:
         """The router's affinity table kept in this store, entries expiring ``ttl_seconds``

@@ -22,6 +22,7 @@ from typing import Any, Final, Protocol
 
 import orjson
 
+from ..core.breakpoints import Marks
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
 from ..core.model import NodeReader
@@ -101,7 +102,7 @@ class Observer(Protocol):
 
 
 
-@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
+@dataclass(init=False, unsafe_hash=True)  # built per request (proxy/core/values.py)
 class Outgoing:
     """What goes upstream."""
 
@@ -109,20 +110,26 @@ class Outgoing:
     """The bytes sent: the client's, unless repaired or ``include_usage`` was added."""
     usage_injected: Final[bool]
     """kvwarm added ``stream_options.include_usage``; the observer hides what it caused."""
+    marks: Final[Marks | None]
+    """The cache markers kvwarm placed (:mod:`proxy.wire.cache_marks`); None: this upstream and
+    model take none."""
 
     def __init__(
         self,
+        *,
         body: bytes,
         usage_injected: bool,
+        marks: Marks | None = None,
     ) -> None:
         self.body = body
         self.usage_injected = usage_injected
+        self.marks = marks
 
 class Wire(Protocol):
     """One wire API: recognises its requests, plans them, and observes their responses."""
 
     name: str
-    """``chat``, ``responses``: the log line's first word."""
+    """``chat``, ``responses``, ``messages``: the log line's first word."""
     resends: str | None
     """The top-level array a client re-sends every turn (its bodies are remembered for the next
     turn, :mod:`proxy.core.prefix`); None: none."""

@@ -1,7 +1,7 @@
 """Token counts of a turn's small nodes are made when they are read, not on every turn.
 
 A turn's nodes are written before the response's last byte. With a local store (memory,
-sqlite) they are written uncounted (:data:`~proxy.pipeline.LATER`), and their counts
+sqlite) they are written uncounted (:data:`~proxy.tokens.LATER`), and their counts
 (tiktoken, CPU work: a new session's 10 KiB system prompt costs over a millisecond) are made
 when something reads them: a repair's rescued tokens (before its response) or a session's
 view. A shared store (Redis) has them counted before the write. Checked here:
@@ -16,7 +16,9 @@ view. A shared store (Redis) has them counted before the write. Checked here:
   thread), and ``rescued=`` is exact;
 * a repair planned while the nodes it rescues are uncounted still reports the exact count,
   counted on the event loop when they are small and in a worker thread when they are not, and
-  counted once.
+  counted once;
+* the store decides (``AsyncStore.token_counts``), not the pipeline from the store's class: a
+  store of another class that counts later has its nodes written uncounted and counted when read.
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ from proxy.core.model import TurnWrite
 from proxy.core.plan import TurnPlan, plan_turn, turn_write
 from proxy.core.policy import Policy
 from proxy.core.record import Reply
-from proxy.pipeline import INLINE_TOKENIZE_BYTES, LATER, Pipeline
+from proxy.pipeline import Pipeline
 from proxy.store.local import LocalStore
 from proxy.store.memory import MemoryStore
 from proxy.store.redis import RedisStore
-from proxy.tokens import TokenCounter
+from proxy.tokens import INLINE_TOKENIZE_BYTES, LATER, TokenCounter
+from proxy.turn import Turn
 from tests.agents import Agent, args_python_dumps, whitespace_stripped
 from tests.conftest import ProxyFactory, poster, store_of
 from tests.store.redis_server import RedisServer
@@ -65,7 +68,7 @@ def first_turn(query: str = "cache key") -> tuple[dict[str, Any], dict[str, Any]
 
 def written_uncounted(store: LocalStore, body: dict[str, Any], reply: dict[str, Any], root: bytes = ROOT) -> TurnWrite:
     plan = plan_turn(body, root, store.view(root), Policy())
-    turn = turn_write(plan, Reply(reply, "tool_calls", False, "m"), None, None, model="m", client_gone=False, now=time.time(),
+    turn = turn_write(plan, Reply(message=reply, finish_reason="tool_calls", partial=False, model="m"), None, None, model="m", client_gone=False, now=time.time(),
                       count_tokens=lambda body: LATER)
     assert turn is not None
     store.write_turn_now(turn)
@@ -92,7 +95,7 @@ def test_a_fill_reaches_every_index_and_the_accounting() -> None:
     counted = LocalStore(MemoryStore(3600, 1 << 30, secret=SECRET))
     body, reply = first_turn()
     plan = plan_turn(body, ROOT, counted.view(ROOT), Policy())
-    turn = turn_write(plan, Reply(reply, "tool_calls", False, "m"), None, None, model="m", client_gone=False, now=time.time(),
+    turn = turn_write(plan, Reply(message=reply, finish_reason="tool_calls", partial=False, model="m"), None, None, model="m", client_gone=False, now=time.time(),
                       count_tokens=COUNTER.count_body)
     assert turn is not None
     counted.write_turn_now(turn)
@@ -102,25 +105,26 @@ def test_a_fill_reaches_every_index_and_the_accounting() -> None:
 def rescues_seen(pipeline: Pipeline) -> list[tuple[TurnPlan, TurnPlan]]:
     """Every (plan, plan with exact rescued tokens) the pipeline makes, in order."""
     seen: list[tuple[TurnPlan, TurnPlan]] = []
-    exact_rescue = pipeline.exact_rescue
+    exact_rescue = pipeline.tokens.exact_rescue
 
     async def recorded(plan: TurnPlan, view: Any) -> TurnPlan:
         exact = await exact_rescue(plan, view)
         seen.append((plan, exact))
         return exact
 
-    pipeline.exact_rescue = recorded  # type: ignore[method-assign]
+    pipeline.tokens.exact_rescue = recorded  # type: ignore[method-assign]
     return seen
 
 
 def plans_seen(pipeline: Pipeline) -> list[TurnPlan]:
-    """Every plan the pipeline makes, in order."""
+    """Every request's plan, in order."""
     planned: list[TurnPlan] = []
     plan = pipeline.plan
 
-    def recorded(*args: Any) -> Any:
-        planned.append((result := plan(*args))[0])
-        return result
+    async def recorded(turn: Turn) -> None:
+        await plan(turn)
+        assert turn.plan is not None
+        planned.append(turn.plan)
 
     pipeline.plan = recorded  # type: ignore[method-assign]
     return planned
@@ -129,13 +133,13 @@ def plans_seen(pipeline: Pipeline) -> list[TurnPlan]:
 def counting_threads(pipeline: Pipeline) -> list[int]:
     """The thread of every batch of token counts the pipeline makes, in order."""
     threads: list[int] = []
-    count = pipeline._count
+    count = pipeline.tokens._count
 
     def counting(bodies: list[bytes]) -> list[int]:
         threads.append(threading.get_ident())
         return count(bodies)
 
-    pipeline._count = counting  # type: ignore[method-assign]
+    pipeline.tokens._count = counting  # type: ignore[method-assign]
     return threads
 
 
@@ -264,7 +268,7 @@ async def test_a_repair_planned_over_uncounted_nodes_counts_them_exactly(
     view = store.view(root)
     repaired = plan_turn(drifted(body, reply), root, view, pipeline.policy)
     assert repaired.repair.repairs and uncounted_in(repaired), "planned over uncounted nodes"
-    exact = await pipeline.exact_rescue(repaired, view)
+    exact = await pipeline.tokens.exact_rescue(repaired, view)
     assert exact == replace(repaired, repair=replace(repaired.repair, rescued_tokens=exact_sum(repaired)))
     assert exact.repair.rescued_tokens > 0
     on_loop = threading.get_ident()
@@ -272,6 +276,32 @@ async def test_a_repair_planned_over_uncounted_nodes_counts_them_exactly(
     filled = [view.get(n.key) for n in rescued_nodes(repaired)]
     assert all(n is not None and n.tokens == COUNTER.count_body(n.body) for n in filled), "filled in"
     before = len(threads)
-    assert await pipeline.exact_rescue(repaired, view) == exact
+    assert await pipeline.tokens.exact_rescue(repaired, view) == exact
     assert len(threads) == before, "counted once"
 
+
+
+class Wrapped:
+    """A store of its own class (as a caching or metered wrapper would be) over a local store,
+    answering every call with the local store's."""
+
+    def __init__(self, inner: LocalStore) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_the_store_says_how_its_nodes_are_counted_not_its_class(make_proxy: ProxyFactory, sim: TestServer) -> None:
+    memory = MemoryStore(3600, 1 << 30)
+    kvwarm = await make_proxy(sim, store=Wrapped(LocalStore(memory)))
+    pipeline = kvwarm.app[PIPELINE]
+    assert not isinstance(pipeline.store, LocalStore)
+    seen = rescues_seen(pipeline)
+    await Agent(post=poster(kvwarm), drift=args_python_dumps).run(4)
+    assert any(n.tokens == LATER for n in memory._nodes.values()), "written uncounted, as the local store keeps them"
+    assert seen and all(exact.repair.rescued_tokens == exact_sum(plan) for plan, exact in seen)
+    (info,) = memory.sessions()
+    detail = orjson.loads(await get(kvwarm, f"/kvwarm/sessions/{info.leaf.hex()}"))
+    path = memory.path(info.leaf)
+    assert [e["tokens"] for e in detail["elements"]] == [COUNTER.count_body(n.body) for n in path]

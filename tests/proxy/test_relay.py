@@ -1,5 +1,7 @@
-"""The relay on real sockets: a scripted upstream, a proxy-side app whose handler calls ``relay``,
-and an aiohttp client. What the client receives, when, and what ``finish`` and the observer saw."""
+"""The relay on real sockets: a scripted upstream, a proxy-side app whose handler runs a
+:class:`Relay` as the pipeline does (``finish``, the turn's record, between :meth:`Relay.run`
+and :meth:`Relay.end`), and an aiohttp client. What the client receives, when, and what
+``finish`` and the observer saw."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from proxy.core.sse import SSEEvent
 from proxy.core.usage import Usage
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
 from proxy.guard import runner_options
-from proxy.relay import WHOLE_BODY_LIMIT, RelayOutcome, relay
+from proxy.relay import WHOLE_BODY_LIMIT, Relay, RelayOutcome
 from proxy.transport import Transport
 from proxy.upstream import forward_request_headers
 from proxy.wire.base import HIDE, KEEP, Replace, Verdict
@@ -75,7 +77,7 @@ class RecordingObserver:
 
 @dataclass
 class Harness:
-    """kvwarm's edge in miniature: the real :class:`Upstream` and :func:`relay` behind a route."""
+    """kvwarm's edge in miniature: the real :class:`Upstream` and :class:`Relay` behind a route."""
 
     url: str
     observer: RecordingObserver
@@ -134,7 +136,15 @@ async def start_relay() -> AsyncIterator[Start]:
                 response = await upstream.send(
                     request.method, request.path, request.query_string, forward_request_headers(request.headers), body
                 )
-                return await relay(request, response, upstream, {"x-relayed": "yes"}, h.observer, h.finish)
+                relay = Relay(request, response, upstream, {"x-relayed": "yes"}, h.observer)
+                try:
+                    outcome = await relay.run()
+                except asyncio.CancelledError:  # the client left: what it was delivered is recorded
+                    if relay.outcome.client_gone:
+                        await asyncio.shield(h.finish(relay.outcome))
+                    raise
+                await h.finish(outcome)
+                return await relay.end()
             except BaseException as exc:
                 h.raised = exc
                 raise

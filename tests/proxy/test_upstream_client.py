@@ -17,7 +17,7 @@ from yarl import URL
 
 from proxy.config import UpstreamSettings
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
-from proxy.relay import RelayOutcome, relay
+from proxy.relay import Relay
 from proxy.transport import ConnectFailed, Disconnected, Transport
 from proxy.upstream import (
     ReplicaSender,
@@ -358,10 +358,6 @@ async def test_a_connection_lost_mid_body_is_unreachable_from_read_chunk(
 # -- headers ----------------------------------------------------------------------------------
 
 
-async def nothing(outcome: RelayOutcome) -> None:
-    return None
-
-
 UPSTREAM_RESPONSE_HEADERS = [
     ("Content-Type", "application/json"),
     ("Connection", "keep-alive, X-Hop-Resp"),
@@ -393,7 +389,9 @@ async def hop_app(
     async def proxy_handler(request: web.Request) -> web.StreamResponse:
         headers = forward_request_headers(request.headers, api_key)
         response = await upstream.send(request.method, request.path, request.query_string, headers, await request.read())
-        return await relay(request, response, upstream, {}, Untouched(), nothing)
+        relay = Relay(request, response, upstream, {}, Untouched())
+        await relay.run()
+        return await relay.end()
 
     app = web.Application()
     app.router.add_route("*", "/v1/{tail:.*}", proxy_handler)

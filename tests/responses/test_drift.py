@@ -239,19 +239,19 @@ async def test_a_resent_conversation_is_planned_from_the_previous_turn(make_sim:
         def __getattr__(self, name: str) -> Any:
             return getattr(self.memo, name)
 
-    def planning(*args: Any) -> Any:
-        plans.append(plan(*args))
-        return plans[-1]
+    async def planning(turn: Any) -> None:
+        await plan(turn)
+        plans.append(turn.plan)
 
     pipeline.resent = Recalling(pipeline.resent)
     pipeline.plan = planning  # type: ignore[method-assign]
     agent = ResponsesAgent(poster(kvwarm), drift=no_drift, parallel=True, reasoning=True)
     await agent.run(6)
     assert recalls[0] is None and all(r is not None for r in recalls[1:])
-    views = [p.view for p, _ in plans]
+    views = [p.view for p in plans]
     assert all(v is not None for v in views)
     assert views[0].reused == 0 and all(v.reused > 0 for v in views[1:])
-    assert all(p.match.clean > 0 for p, _ in plans[2:])
+    assert all(p.match.clean > 0 for p in plans[2:])
     assert [r.body for r in received(sim)] == [orjson.dumps(t.request) for t in agent.turns]
 
     # The same conversation through a kvwarm that parses and plans every body whole: the same answers.
