@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from .core.breakpoints import SETTINGS as CACHE_BREAKPOINTS
 from .core.policy import Policy
 from .core.pricing import PriceTable
 from .egress import IDLE_CONNECTION_TIMEOUT, Proxy, check_tls_files
@@ -98,6 +99,13 @@ class UpstreamSettings:
     """PEM client certificate (with its chain) presented when an upstream asks for one; its key
     is ``client_key``, or in the same file."""
     client_key: str = ""
+    cache_breakpoints: str = "auto"
+    """Cache markers kvwarm adds where the upstream caches only at breakpoints
+    (proxy/core/breakpoints.py): ``openai`` (``prompt_cache_breakpoint``, GPT-5.6 and later),
+    ``cache_control`` (Anthropic-style: OpenRouter, DashScope), ``off`` (none: the client's bytes,
+    as before), or ``auto``: ``openai`` on api.openai.com for GPT-5.6 and later models,
+    ``cache_control`` on openrouter.ai for ``anthropic/`` and ``qwen/`` models and on DashScope
+    hosts, ``off`` anywhere else."""
 
 
 PROXY_ENVIRONMENT = (("https_proxy", "HTTPS_PROXY"), ("http_proxy", "HTTP_PROXY"), ("no_proxy", "NO_PROXY"))
@@ -469,6 +477,10 @@ def _validate(s: Settings) -> None:
 
 
 def _validate_upstream(u: UpstreamSettings) -> None:
+    if u.cache_breakpoints not in CACHE_BREAKPOINTS:
+        raise ConfigError(
+            "upstream.cache_breakpoints", f"expected one of {', '.join(CACHE_BREAKPOINTS)}, got {u.cache_breakpoints!r}"
+        )
     for name in ("connect_timeout", "first_byte_timeout", "idle_timeout", "total_timeout", "idle_connection_timeout"):
         if not getattr(u, name) > 0:
             raise ConfigError(f"upstream.{name}", "must be a positive number of seconds")

@@ -18,7 +18,8 @@ Requests
       Requests being served now.
   ``kvwarm_errors_total{stage}``
       Failures by pipeline stage: parse, identify, match, repair, diagnose,
-      record, usage, upstream, relay, store, report, routing (fail-open errors included).
+      record, usage, upstream, relay, store, report, routing, breakpoints (fail-open errors
+      included).
 
 Usage (from each response's usage block)
   ``kvwarm_prompt_tokens_total{model}``
@@ -59,17 +60,30 @@ Cost
 Savings (what the provider's prompt cache saved, at the price table's list prices)
   ``kvwarm_cache_savings_usd_total{model,by}``
       USD the cache's reads saved against the uncached input price. ``by`` says who earned
-      it: ``repair`` (the reads of prompt tokens a kvwarm repair rescued), ``cache`` (every
-      other read); ``breakpoint`` is reserved for kvwarm's own cache markers.
+      it: ``repair`` (the reads of prompt tokens a kvwarm repair rescued), ``breakpoint`` (the
+      other reads of a request that could only have read at kvwarm's own cache markers:
+      proxy/core/breakpoints.py says when that is sure), ``cache`` (every other read).
   ``kvwarm_cache_write_premium_usd_total{model,by}``
-      USD the cache's writes cost above the uncached input price (``by``: ``cache``, the
-      client's and the provider's writes; ``breakpoint`` reserved as above).
+      USD the cache's writes cost above the uncached input price (``by``: ``breakpoint``, the
+      writes of a request marked only by kvwarm on a ``cache_control`` upstream; ``cache``, the
+      client's and the provider's writes).
   The headline, what the same prompt tokens would have cost uncached minus what they cost,
   is the difference of the two: ``sum(kvwarm_cache_savings_usd_total) -
   sum(kvwarm_cache_write_premium_usd_total)``. It is negative while writes are not repaid by
   reads; two counters rather than one that goes down keep ``rate`` and restarts right. Both
   are counted for a priced response that reports a cached or a write count (zeros too);
   a write price below the input price counts as a saving, never a negative increment.
+
+Cache breakpoints (proxy/core/breakpoints.py)
+  ``kvwarm_breakpoints_total{dialect,kind}``
+      Cache markers kvwarm added to requests sent upstream: ``dialect`` ``openai`` or
+      ``cache_control``, ``kind`` ``stem`` (a prefix sessions share), ``continuation`` (the
+      request's last block, for the session's next turn), ``previous`` (where the session's
+      previous turn ended), ``head`` (the end of the leading system and developer messages,
+      where a request writes past it anyway).
+  ``kvwarm_breakpoints_refused_total{reason}``
+      Requests sent without the markers chosen for them: the markers could not be written into
+      their bytes (a splice refusal reason) or placing them failed (``error``).
 
 Repair and matching
   ``kvwarm_repairs_total{kind}``
@@ -149,6 +163,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, valu
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import proxy
+from proxy.core.breakpoints import CACHE_CONTROL, OPENAI
+from proxy.core.breakpoints import KINDS as BREAKPOINT_KINDS
 from proxy.core.pricing import Cost
 from proxy.core.usage import UNKNOWN_TTL, WRITE_TTLS, Usage
 
@@ -169,6 +185,7 @@ ERROR_STAGES = (
     "store",
     "report",
     "routing",
+    "breakpoints",
 )
 """The stages counted by ``kvwarm_errors_total``; any other name is counted as ``"other"``."""
 
@@ -193,6 +210,8 @@ LATENCY_BUCKETS = (
     120.0,
 )
 """Seconds: from a cache-hit first byte (ms) to a long reasoning generation (minutes)."""
+DIALECTS = (OPENAI, CACHE_CONTROL)
+"""The ``dialect`` values of ``kvwarm_breakpoints_total``."""
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 _MAX_LABEL_LEN = 100
@@ -425,6 +444,16 @@ class ProxyMetrics:
             "USD the provider's cache writes cost above uncached input.",
             ("model", "by"),
         )
+        self.breakpoints = counter(
+            "kvwarm_breakpoints_total",
+            "Cache markers kvwarm added to requests, by dialect and kind.",
+            ("dialect", "kind"),
+        )
+        self.breakpoints_refused = counter(
+            "kvwarm_breakpoints_refused_total",
+            "Requests sent without the cache markers chosen for them, by reason.",
+            ("reason",),
+        )
         self.cache_hit_ratio = Histogram(
             "kvwarm_request_cache_hit_ratio",
             "Per response: cached prompt tokens / prompt tokens.",
@@ -531,6 +560,9 @@ class ProxyMetrics:
         # Start every known stage at 0 so rate() and absent-series alerts work from the first scrape.
         for stage in ERROR_STAGES:
             self.errors.labels(stage=stage)
+        for dialect in DIALECTS:
+            for kind in BREAKPOINT_KINDS:
+                self.breakpoints.labels(dialect=dialect, kind=kind)
 
     def _child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, cached."""
@@ -557,9 +589,13 @@ class ProxyMetrics:
         usage: Usage | None,
         cost: Cost | None,
         rescued_tokens: int = 0,
+        breakpoint_reads: bool = False,
+        breakpoint_writes: bool = False,
     ) -> None:
         """Count one finished request: status, latencies, token usage, cost and what the cache
-        saved (``rescued_tokens``: the prompt tokens a repair of this request rescued)."""
+        saved (``rescued_tokens``: the prompt tokens a repair of this request rescued;
+        ``breakpoint_reads`` / ``breakpoint_writes``: its other reads / its writes happened at
+        cache markers kvwarm placed)."""
         kids = self._raw_series.get((model, status, stream))
         if kids is None:
             kids = self._series_for(model, status, stream)
@@ -600,7 +636,11 @@ class ProxyMetrics:
                 if prompt > 0:
                     values["hit_ratio"].append(cached / prompt)
         if cost is not None:
-            _count_cost(counts, cost, usage.cached_tokens if usage is not None else None, rescued_tokens)
+            _count_cost(
+                counts, cost, usage.cached_tokens if usage is not None else None, rescued_tokens,
+                "saved_breakpoint" if breakpoint_reads else "saved_cache",
+                "premium_breakpoint" if breakpoint_writes else "write_premium",
+            )
         if len(durations) >= _LISTED:  # the lists stay bounded between two reads of the registry
             kids.fold_values(self._batch)
 
@@ -633,7 +673,9 @@ class ProxyMetrics:
             **{name: (self.cache_write_tokens, (label, ttl)) for ttl, name in _WRITE_SERIES.items()},
             "saved_cache": (self.cache_savings_usd, (label, "cache")),
             "saved_repair": (self.cache_savings_usd, (label, "repair")),
+            "saved_breakpoint": (self.cache_savings_usd, (label, "breakpoint")),
             "write_premium": (self.cache_write_premium_usd, (label, "cache")),
+            "premium_breakpoint": (self.cache_write_premium_usd, (label, "breakpoint")),
             "unknown_cache": (self.usage_unknown_cache, one),
             "cached": (self.cached_prompt_tokens, one),
             "cache_known": (self.cache_known_prompt_tokens, one),
@@ -647,6 +689,15 @@ class ProxyMetrics:
             batch.inc(self._child(self.repairs, self._kinds(str(kind)[:_MAX_LABEL_LEN])))
         if rescued_tokens > 0:
             batch.inc(self._child(self.repair_rescued_tokens, self.model_label(model)), rescued_tokens)
+
+    def observe_breakpoints(self, dialect: str, kinds: Iterable[str], refused: str = "") -> None:
+        """Count the cache markers kvwarm added to one request (by kind), or why none went."""
+        batch = self._pending()
+        dialect = dialect if dialect in DIALECTS else OTHER
+        for kind in kinds:
+            batch.inc(self._child(self.breakpoints, dialect, kind if kind in BREAKPOINT_KINDS else OTHER))
+        if refused:
+            batch.inc(self._child(self.breakpoints_refused, self._reasons(refused[:_MAX_LABEL_LEN])))
 
     def observe_refused(self, reason: str) -> None:
         """Count one repair that could not be spliced (a ``proxy.core.splice.REFUSALS`` reason)."""
@@ -795,11 +846,19 @@ _WRITE_SERIES = {ttl: f"cache_write_{ttl}" for ttl in (*WRITE_TTLS, UNKNOWN_TTL)
 """The request series' name of the written tokens of each TTL bucket (a bounded set)."""
 
 
-def _count_cost(counts: defaultdict[str, float], cost: Cost, cached: int | None, rescued: int) -> None:
+def _count_cost(
+    counts: defaultdict[str, float],
+    cost: Cost,
+    cached: int | None,
+    rescued: int,
+    reads: str = "saved_cache",
+    writes: str = "write_premium",
+) -> None:
     """Add a response's cost to a request series' ``counts``, and what the cache saved: the
     reads' saving split between the repair (the reads of the ``rescued`` tokens, at most the
-    ``cached`` ones) and the rest, and the writes' premium. A negative part (a price below the
-    input price) moves to the other counter: counters never go down."""
+    ``cached`` ones) and the rest (to ``reads``: by ``cache`` or ``breakpoint``), and the writes'
+    premium (to ``writes``). A negative part (a price below the input price) moves to the other
+    counter: counters never go down."""
     if cost.usd is None:
         counts["unpriced"] += 1
     else:
@@ -821,9 +880,9 @@ def _count_cost(counts: defaultdict[str, float], cost: Cost, cached: int | None,
             premium += write
         else:
             saved -= write
-    counts["saved_cache"] += saved
+    counts[reads] += saved
     counts["saved_repair"] += repaired
-    counts["write_premium"] += premium
+    counts[writes] += premium
 
 
 def _status_class(status: int | None) -> str:

@@ -10,6 +10,10 @@ how requests to that upstream are planned, never requests to another.
     ``stream_options.include_usage`` is set: kvwarm then stops adding
     ``include_usage`` on the client's behalf (the usage chunk it would hide would
     take ``timings`` with it).
+``cache_breakpoints``
+    The cache-marker rule of this upstream (:func:`proxy.core.breakpoints.host_rule`): set from
+    ``upstream.cache_breakpoints`` and the upstream's host when the app starts, not learned;
+    each request's model then decides its dialect (``auto`` on api.openai.com, openrouter.ai).
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ __all__ = ["UpstreamTraits"]
 
 @dataclass(slots=True)
 class UpstreamTraits:
-    """Learned from responses; read by the planner of the next request to the same upstream."""
+    """Learned from responses (the marker rule: configured); read by the planner of the next
+    request to the same upstream."""
 
     reports_timings: bool = False
+    cache_breakpoints: str = "off"
+    """``off``, ``openai``, ``cache_control``, or an ``auto:`` rule by host (see above)."""

@@ -247,6 +247,8 @@ EXPECTED_FAMILIES = {
     "kvwarm_repair_rescued_tokens": "counter",
     "kvwarm_repairs": "counter",
     "kvwarm_repairs_refused": "counter",
+    "kvwarm_breakpoints": "counter",
+    "kvwarm_breakpoints_refused": "counter",
     "kvwarm_upstream_requests": "counter",
     "kvwarm_upstream_inflight": "gauge",
     "kvwarm_upstream_ejections": "counter",

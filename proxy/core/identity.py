@@ -6,9 +6,10 @@ nothing the model is meant to see (docs/ARCHITECTURE.md, "Identity"):
 
 * key order in any object (the hash input is serialized with sorted keys);
 * ``null`` / ``[]`` / ``""`` versus an absent field, at any level of a message; the
-  transport key ``index`` of ``tool_calls[i]``; the non-token key ``cache_control``;
+  transport key ``index`` of ``tool_calls[i]``; the cache markers ``cache_control`` and
+  ``prompt_cache_breakpoint`` (they render no token: a client may move its own markers);
 * ``content`` as a string versus a list of exactly one text part (whose only other key
-  may be ``cache_control``); leading/trailing whitespace of each content text;
+  may be a cache marker); leading/trailing whitespace of each content text;
 * tool-call ``arguments`` that parse to equal JSON, number tokens kept as their source
   text (``1`` != ``1.0``), duplicate keys or anything unparseable compared raw;
 * the order of ``tool_calls`` in one message; the order of the tool definitions, and
@@ -37,6 +38,7 @@ import orjson
 from .policy import PIN_MASK, Policy
 
 __all__ = [
+    "MARKER_KEYS",
     "RAW_ARGUMENTS",
     "REASONING_KEYS",
     "Held",
@@ -63,7 +65,9 @@ RAW_ARGUMENTS = b"\x00"
 _RAW_ARGS_KEY = "arguments\x00raw"
 """Where unparseable arguments go in the hash input, so a raw ``abc`` never equals a JSON ``"abc"``."""
 
-_ONE_PART_KEYS = frozenset(("type", "text", "cache_control"))
+MARKER_KEYS = frozenset(("cache_control", "prompt_cache_breakpoint"))
+"""Cache markers: where a prompt may be cached, not what it says (proxy/core/breakpoints.py)."""
+_ONE_PART_KEYS = frozenset(("type", "text", *MARKER_KEYS))
 
 REASONING_KEYS = frozenset(
     (
@@ -195,12 +199,12 @@ def canonical_arguments(arguments: str) -> bytes:
 
 
 def _canon_value(value: Any) -> Any:
-    """Generic canonical form: no ``cache_control``, no empty fields, at any depth."""
+    """Generic canonical form: no cache markers, no empty fields, at any depth."""
     t = type(value)
     if t is dict:
         out = {}
         for k, x in value.items():
-            if k == "cache_control":
+            if k in MARKER_KEYS:
                 continue
             x = _canon_value(x)
             if not _empty(x):
@@ -240,7 +244,7 @@ def _canon_part(part: Any, pins: tuple[re.Pattern[str], ...]) -> Any:
         return _canon_value(part)
     out = {}
     for k, x in part.items():
-        if k == "cache_control":
+        if k in MARKER_KEYS:
             continue
         x = _canon_text(x, pins) if k == "text" else _canon_value(x)
         if not _empty(x):
@@ -283,7 +287,7 @@ def _canon_call(call: Any) -> Any:
         return _canon_value(call)
     out = {}
     for k, x in call.items():
-        if k == "index" or k == "cache_control":
+        if k == "index" or k in MARKER_KEYS:
             continue
         t = type(x)
         if t is str:
@@ -372,7 +376,7 @@ def canonical_message(msg: Mapping[Any, Any], policy: Policy | None = None) -> d
             if v:
                 out[k] = v
             continue
-        if v is None or k == "cache_control":
+        if v is None or k in MARKER_KEYS:
             continue
         if k == "content":
             v = _canon_content(v, pins)

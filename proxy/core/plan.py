@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, Protocol
 
+from .breakpoints import Tree
 from .breaks import Break, diagnose
 from .guard import STRICT, Guard
 from .identity import IdentityMemo
@@ -52,7 +53,7 @@ class PlannedView(Protocol):
         ...
 
 
-@dataclass(init=False, unsafe_hash=True)  # a value class (proxy/core/values.py)
+@dataclass(init=False, unsafe_hash=True)  # built per request (proxy/core/values.py)
 class TurnPlan:
     """What kvwarm decided for one request before forwarding it."""
 
@@ -83,9 +84,13 @@ class TurnPlan:
     """The messages planned on, when the wire API planned a view of the client's re-sent array
     rather than its elements (the Responses API's items as chat-shaped messages); None: the
     body's own ``messages``. Remembered with the body for the next turn (:mod:`proxy.core.prefix`)."""
+    tree: Final[Tree | None]
+    """What the store knows of the matched prefix for cache breakpoints (:mod:`proxy.core.breakpoints`):
+    set only when the request's upstream takes markers; None: no markers are placed."""
 
     def __init__(
         self,
+        *,
         root: bytes,
         match: Match | None,
         repair: RepairPlan,
@@ -97,6 +102,7 @@ class TurnPlan:
         clean: int = 0,
         tools_clean: bool = False,
         view: PlannedView | None = None,
+        tree: Tree | None = None,
     ) -> None:
         self.root = root
         self.match = match
@@ -109,13 +115,23 @@ class TurnPlan:
         self.clean = clean
         self.tools_clean = tools_clean
         self.view = view
+        self.tree = tree
 
     def with_view(self, view: PlannedView) -> TurnPlan:
-        """This plan, planned on ``view`` (the constructor: ``dataclasses.replace`` introspects
-        the fields on every call, and every Responses API request comes here)."""
+        """This plan, planned on ``view`` (``dataclasses.replace`` costs some 50 times the
+        constructor, and every Responses API request comes here)."""
         return TurnPlan(
-            self.root, self.match, self.repair, self.brk, self.forwarded, self.messages,
-            self.spliced, self.refused, self.clean, self.tools_clean, view,
+            root=self.root, match=self.match, repair=self.repair, brk=self.brk, forwarded=self.forwarded,
+            messages=self.messages, spliced=self.spliced, refused=self.refused, clean=self.clean,
+            tools_clean=self.tools_clean, view=view, tree=self.tree,
+        )
+
+    def with_tree(self, tree: Tree) -> TurnPlan:
+        """This plan, with what the store knows for cache breakpoints."""
+        return TurnPlan(
+            root=self.root, match=self.match, repair=self.repair, brk=self.brk, forwarded=self.forwarded,
+            messages=self.messages, spliced=self.spliced, refused=self.refused, clean=self.clean,
+            tools_clean=self.tools_clean, view=self.view, tree=tree,
         )
 
     @property
@@ -194,11 +210,15 @@ def _plan(
         except Exception as exc:
             guard.fail("diagnose", exc)
     messages = body.get("messages")
-    forwarded = repair.body if repair.body is not None else body
-    # Positional (root, match, repair, brk, forwarded, messages, spliced, refused, clean,
-    # tools_clean): keyword arguments cost a value's constructor about twice as much.
     return TurnPlan(
-        root, match, repair, brk, forwarded, len(messages) if isinstance(messages, list) else 0, None, "", clean, tools_clean
+        root=root,
+        match=match,
+        repair=repair,
+        brk=brk,
+        forwarded=repair.body if repair.body is not None else body,
+        messages=len(messages) if isinstance(messages, list) else 0,
+        clean=clean,
+        tools_clean=tools_clean,
     )
 
 
@@ -244,13 +264,23 @@ def turn_write(
         cached = usage.cached_tokens or 0
         completion = usage.completion_tokens or 0
         unknown_cache = 1 if usage.cached_tokens is None else 0
-    # Positional, in field order (turns, prompt, cached, completion, unknown-cache turns, cost,
-    # billed, repaired, last break, model, created, updated): a keyword call costs twice as much.
     totals = SessionTotals(
-        1, prompt, cached, completion, unknown_cache, (cost.usd or 0.0) if cost else 0.0, bool(cost and cost.billed),
-        len(plan.repair.repairs), brk.reason if brk is not None else "", model, now, now,
+        turns=1,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        completion_tokens=completion,
+        unknown_cache_turns=unknown_cache,
+        cost_usd=(cost.usd or 0.0) if cost else 0.0,
+        billed=bool(cost and cost.billed),
+        repaired=len(plan.repair.repairs),
+        last_break=brk.reason if brk is not None else "",
+        model=model,
+        created=now,
+        updated=now,
     )
-    return TurnWrite(tuple(drafts), match.keys[: match.matched], leaf, totals, now, match.root)
+    return TurnWrite(
+        nodes=tuple(drafts), path=match.keys[: match.matched], leaf=leaf, totals=totals, now=now, tenant=match.root
+    )
 
 
 def _has_output(message: Mapping[str, Any]) -> bool:

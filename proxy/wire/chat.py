@@ -2,9 +2,10 @@
 
 Front-end: a POST whose body is a JSON object with a ``messages`` list is a chat
 turn (anything else passes untouched). The bytes forwarded are the client's own,
-with a repair's values spliced in (:mod:`proxy.core.splice`) and, for a stream that
-did not ask for it, ``stream_options.include_usage`` added, so every stream reports
-usage; the observer hides what that option caused. Nothing is ever re-serialized.
+with a repair's values spliced in (:mod:`proxy.core.splice`), cache markers where the
+upstream takes them (:mod:`proxy.wire.cache_marks`) and, for a stream that did not ask for
+it, ``stream_options.include_usage`` added, so every stream reports usage; the observer
+hides what that option caused. Nothing is ever re-serialized.
 
 Observer: reads the usage from the body or from each chunk (merged), assembles the
 reply exactly as generated (:mod:`proxy.core.record`), learns the upstream's traits
@@ -22,6 +23,7 @@ from typing import Any
 import orjson
 from mypy_extensions import mypyc_attr
 
+from ..core.breakpoints import Marks
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
 from ..core.model import NodeReader
@@ -35,6 +37,7 @@ from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
 from ..traits import UpstreamTraits
 from .base import HIDE, KEEP, BodyBuffer, Outgoing, Replace, Verdict, body_json, json_post
+from .cache_marks import ChatElements, with_breakpoints
 
 __all__ = ["DONE", "ChatObserver", "ChatWire", "Outgoing", "without_null_usage"]
 
@@ -72,34 +75,40 @@ class ChatWire:
         return plan_turn(body, root, reader, policy, memo, guard, raw, recalled.known if recalled is not None else None)
 
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing:
-        """The client's bytes, with the repair spliced in and, for a stream that did not ask for
-        usage, ``stream_options.include_usage`` added; every other byte as the client sent it."""
+        """The client's bytes, with the repair spliced in, kvwarm's cache markers
+        (:mod:`proxy.wire.cache_marks`) and, for a stream that did not ask for usage,
+        ``stream_options.include_usage`` added; every other byte as the client sent it."""
         base = plan.spliced if plan.spliced is not None else raw
+        marks: Marks | None = None
+        if plan.tree is not None:  # the store was asked: this upstream may take markers
+            base, marks = with_breakpoints(base, body, plan, traits, lambda dialect: ChatElements(plan.forwarded, dialect))
         options = body.get("stream_options")
         if (
             body.get("stream") is not True
             or traits.reports_timings
             or (isinstance(options, dict) and options.get("include_usage") is True)
         ):
-            return Outgoing(base, False)
+            return Outgoing(body=base, usage_injected=False, marks=marks)
         edit: Edit
         if options is None and "stream_options" not in body:
             first = insert_first_member(base, _USAGE_MEMBER)
             if first is not None:
-                return Outgoing(first, True)
+                return Outgoing(body=first, usage_injected=True, marks=marks)
         if options is None:
-            edit = Insert((), "stream_options", _INCLUDE_USAGE)
+            edit = Insert(path=(), key="stream_options", value=_INCLUDE_USAGE)
         elif isinstance(options, dict):
             edit = (
-                SetValue(("stream_options", "include_usage"), b"true")
+                SetValue(path=("stream_options", "include_usage"), value=b"true")
                 if "include_usage" in options
-                else Insert(("stream_options",), "include_usage", b"true")
+                else Insert(path=("stream_options",), key="include_usage", value=b"true")
             )
         else:
-            return Outgoing(base, False)
+            return Outgoing(body=base, usage_injected=False, marks=marks)
         injected = splice(base, (edit,))
         # Refused (a duplicate "stream" or "stream_options" key): forward as sent, usage unknown.
-        return Outgoing(base, False) if injected is None else Outgoing(injected, True)
+        if injected is None:
+            return Outgoing(body=base, usage_injected=False, marks=marks)
+        return Outgoing(body=injected, usage_injected=True, marks=marks)
 
     def observer(self, outgoing: Outgoing, traits: UpstreamTraits, guard: Guard, *, success: bool) -> ChatObserver:
         return ChatObserver(outgoing.usage_injected, traits, guard, success=success)
@@ -180,7 +189,9 @@ class ChatObserver:
         except Exception as exc:
             self._guard.fail("record", exc)
         if reply is not None and client_gone and not reply.partial:
-            reply = Reply(reply.message, reply.finish_reason, True, reply.model)
+            reply = Reply(
+                message=reply.message, finish_reason=reply.finish_reason, partial=True, model=reply.model
+            )
         return reply
 
     def _read(self, obj: Mapping[str, Any]) -> None:

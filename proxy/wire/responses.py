@@ -24,7 +24,8 @@ keeping for each view message the input items it came from:
 - ``tools`` in the Responses shape (built-in tools included) -> the tools element.
 
 Item ``id`` and ``status`` are identity-neutral: no template renders them (the reference
-upstream documents and tests this), and the Codex CLI makes new ids in every session.
+upstream documents and tests this), and the Codex CLI makes new ids in every session. So are
+cache markers (``cache_control``, ``prompt_cache_breakpoint``) wherever they sit.
 A repair is planned on this view by the shared core, then mapped onto the client's items
 (:func:`item_edits`) and spliced into the client's bytes (:mod:`proxy.core.splice`): it
 sets only strings inside the client's items (the instructions, a content text or text
@@ -73,6 +74,7 @@ from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage
 from ..traits import UpstreamTraits
 from .base import KEEP, BodyBuffer, Outgoing, Verdict, body_json, json_post
+from .cache_marks import ResponsesElements, item_positions, with_breakpoints
 
 __all__ = ["ResponsesObserver", "ResponsesWire", "item_edits", "items_view"]
 
@@ -87,7 +89,8 @@ _DELTAS = frozenset(
 """Stream events whose ``delta`` extends the in-flight output item's text, arguments or input."""
 _ITEM_EVENTS = _DELTAS | {"response.output_item.added", "response.output_item.done"}
 """The events an output cut short is assembled from (:meth:`ResponsesObserver._assembled`)."""
-_NEUTRAL = frozenset(("id", "status"))
+_NEUTRAL = frozenset(("id", "status", "cache_control", "prompt_cache_breakpoint"))
+"""Keys of an opaque item no template renders: ids, status, cache markers."""
 _SORT = orjson.OPT_SORT_KEYS
 INSTRUCTIONS = -1
 """The span of the view message made from ``instructions``."""
@@ -292,7 +295,9 @@ class ResponsesWire:
             # The prefix lives at the provider (or there is no input to speak of): nothing to
             # match, nothing to repair; the response is still observed for its usage.
             chat, view = _chat_body(body)
-            return TurnPlan(root, None, NO_REPAIR, None, chat, len(chat["messages"]))
+            return TurnPlan(
+                root=root, match=None, repair=NO_REPAIR, brk=None, forwarded=chat, messages=len(chat["messages"])
+            )
         chat, view = _chat_body(body, recalled)
         known = recalled.known_view(view.reused) if recalled is not None and view.reused else None
         # Planned on the view (its bytes are not the client's); the repair is then mapped onto
@@ -300,7 +305,7 @@ class ResponsesWire:
         plan = plan_turn(chat, root, reader, policy, memo, guard, known=known)
         if not plan.repair.repairs:
             return plan.with_view(view)
-        spliced: bytes | Refusal = Refusal("invalid_edit", ())
+        spliced: bytes | Refusal = Refusal(reason="invalid_edit", path=())
         with guard("repair"):
             edits = item_edits(body, view, plan.repair.edits)
             if edits:
@@ -312,8 +317,21 @@ class ResponsesWire:
         return replace(plan, spliced=spliced, view=view)
 
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing:
-        """The client's bytes, with the repair spliced in: every other byte as the client sent it."""
-        return Outgoing(plan.spliced if plan.spliced is not None else raw, False)
+        """The client's bytes, with the repair spliced in and kvwarm's cache markers
+        (:mod:`proxy.wire.cache_marks`): every other byte as the client sent it."""
+        base = plan.spliced if plan.spliced is not None else raw
+        view = plan.view
+        if plan.tree is None or not isinstance(view, ItemsView):
+            return Outgoing(body=base, usage_injected=False)
+        positions = None
+        if plan.spliced is not None:  # a repair may have put a tool-result group back in order
+            edits = item_edits(body, view, plan.repair.edits)
+            positions = item_positions(edits) if edits is not None else None
+        spans = view.spans
+        base, marks = with_breakpoints(
+            base, body, plan, traits, lambda dialect: ResponsesElements(body, plan, spans, positions, dialect)
+        )
+        return Outgoing(body=base, usage_injected=False, marks=marks)
 
     def observer(self, outgoing: Outgoing, traits: UpstreamTraits, guard: Guard, *, success: bool) -> ResponsesObserver:
         return ResponsesObserver(guard, success=success)
@@ -355,14 +373,15 @@ def _item_order(body: Mapping[str, Any], view: ItemsView, order: Sequence[int]) 
     instructions = [vi for vi, span in enumerate(view.spans) if span == (INSTRUCTIONS,)]
     if [vi for vi in order if vi in instructions] != instructions:
         return None  # the instructions are no item: they cannot move, nor be dropped
-    return Reorder(("input",), tuple(k for vi in order if view.spans[vi] != (INSTRUCTIONS,) for k in view.spans[vi]))
+    items = tuple(k for vi in order if view.spans[vi] != (INSTRUCTIONS,) for k in view.spans[vi])
+    return Reorder(path=("input",), order=items)
 
 
 def _value_edits(body: Mapping[str, Any], span: tuple[int, ...], rest: tuple[str | int, ...], value: bytes) -> list[Edit] | None:
     """The edits setting the view value at ``rest`` (in the view message of ``span``) in the client's body."""
     if span == (INSTRUCTIONS,):
         ok = rest == ("content",) and isinstance(body.get("instructions"), str) and value[:1] == b'"'
-        return [Replace(("instructions",), value)] if ok else None
+        return [Replace(path=("instructions",), value=value)] if ok else None
     items = body.get("input")
     if isinstance(items, str):  # the whole input is one user message's text
         item: Any = {"role": "user", "content": items}
@@ -372,7 +391,7 @@ def _value_edits(body: Mapping[str, Any], span: tuple[int, ...], rest: tuple[str
         field_path = ("input", span[-1])
     kind = _kind(item)
     if kind == "function_call" and rest == ("tool_calls", 0, "function", "arguments"):
-        return [Replace((*field_path, "arguments"), value)]
+        return [Replace(path=(*field_path, "arguments"), value=value)]
     field = {"message": "content", "function_call_output": "output"}.get(kind)
     if field is None or rest != ("content",):
         return None
@@ -385,14 +404,14 @@ def _text_edits(client: Any, restored: Any, path: tuple[str | int, ...]) -> list
     """Set the restored texts of a content value in the client's own form (a string, or each changed
     text part's ``text``: its other keys stay the client's bytes)."""
     if type(client) is str and type(restored) is str:
-        return [Replace(path, orjson.dumps(restored))]
+        return [Replace(path=path, value=orjson.dumps(restored))]
     if type(client) is not list or type(restored) is not list or len(client) != len(restored):
         return None
     out: list[Edit] = []
     for j, (c, r) in enumerate(zip(client, restored, strict=True)):
         if type(c) is dict and c.get("type") in _TEXT_TYPES and type(r) is dict and type(r.get("text")) is str:
             if r["text"] != c.get("text"):
-                out.append(Replace((*path, j, "text"), orjson.dumps(r["text"])))
+                out.append(Replace(path=(*path, j, "text"), value=orjson.dumps(r["text"])))
         elif r != c:
             return None  # the view changed a part it has no client form for
     return out
@@ -496,7 +515,9 @@ class ResponsesObserver:
             return None
         view = items_view(None, output)
         first, *rest = view.messages
-        return Reply(first, None, partial or client_gone, None, tuple(rest))
+        return Reply(
+            message=first, finish_reason=None, partial=partial or client_gone, model=None, following=tuple(rest)
+        )
 
     def _assembled(self) -> list[Any]:
         """The output as delivered so far: done items whole, the in-flight one with its deltas."""
