@@ -76,6 +76,8 @@ async def answered(kv: Kvwarm) -> int:
                 return pid
         except TimeoutError:
             pytest.fail(f"a request hung for {ANSWER_WITHIN}s:\n{kv.log_tail()}")
+        except aiohttp.ClientError as exc:
+            pytest.fail(f"a request failed ({exc!r}):\n{kv.log_tail()}")
 
 
 async def chat(kv: Kvwarm, text: str) -> None:
@@ -89,6 +91,8 @@ async def chat(kv: Kvwarm, text: str) -> None:
                 assert orjson.loads(await r.read())["choices"][0]["message"]["content"]
         except TimeoutError:
             pytest.fail(f"a request hung for {ANSWER_WITHIN}s:\n{kv.log_tail()}")
+        except aiohttp.ClientError as exc:
+            pytest.fail(f"a request failed ({exc!r}):\n{kv.log_tail()}")
 
 
 async def served_until(kv: Kvwarm, done: Callable[[], bool], within: float) -> set[int]:
