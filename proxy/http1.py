@@ -35,6 +35,7 @@ __all__ = [
     "forward_request_headers",
     "forward_response_headers",
     "request_head",
+    "speaks_anthropic",
 ]
 
 HIGH_WATER: Final = 256 * 1024
@@ -85,7 +86,8 @@ def forward_request_headers(incoming: Mapping[str, str], api_key: str = "") -> C
     """The client's headers minus hop-by-hop ones, and minus the ``Content-Encoding`` of a body the
     server decoded (:data:`SERVER_DECODES`). With ``api_key`` set, no client credential
     travels upstream (``Authorization``, ``Proxy-Authorization``, ``Cookie``, ``X-Api-Key``,
-    ``api-key``, ``x-goog-api-key`` are removed) and ``Authorization`` carries ``api_key``."""
+    ``api-key``, ``x-goog-api-key`` are removed) and ``api_key`` goes in the header the client's
+    API takes it in (:func:`speaks_anthropic`: ``x-api-key``; else ``Authorization: Bearer``)."""
     drop = _KEYED_DROP if api_key else _REQUEST_DROP
     if "Connection" in incoming:
         drop = drop | connection_tokens(incoming)
@@ -97,10 +99,23 @@ def forward_request_headers(incoming: Mapping[str, str], api_key: str = "") -> C
         if name.lower() not in drop:
             out.add(name, value)
     if api_key:
-        out["Authorization"] = f"Bearer {api_key}"
+        if speaks_anthropic(incoming):
+            out["x-api-key"] = api_key
+        else:
+            out["Authorization"] = f"Bearer {api_key}"
     # Only encodings this side can decode (the body is observed on its way back).
     out["Accept-Encoding"] = "gzip, deflate"
     return out
+
+
+def speaks_anthropic(incoming: Mapping[str, str]) -> bool:
+    """The request is one of Anthropic's API (the Messages API, its ``count_tokens``, ``models``):
+    it carries ``anthropic-version``, which Anthropic requires on every request and its SDKs and
+    Claude Code always send, or its credential is in ``x-api-key`` alone. Decided by the
+    headers, not the path: ``/v1/models`` is both APIs' path, and an Anthropic key is accepted in
+    ``x-api-key`` by Anthropic (and by the servers that speak its API), in ``Authorization`` only
+    as an OAuth token."""
+    return "anthropic-version" in incoming or ("x-api-key" in incoming and "Authorization" not in incoming)
 
 
 def forward_response_headers(upstream: Mapping[str, str], decoded: bool = True) -> CIMultiDict[str]:

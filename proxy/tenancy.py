@@ -1,7 +1,10 @@
 """Which tenant a request belongs to: the HTTP edge of the tenant rule.
 
 A tenant is named by a credential: the configured ``store.tenant_header``, else
-``Authorization`` (``""`` when absent: the anonymous tenant). Its chain root is a
+``Authorization``, else Anthropic's ``x-api-key`` (what Claude Code and the ``anthropic`` SDKs
+send), read as the bearer token it is: ``x-api-key: K`` names the tenant that
+``Authorization: Bearer K`` names, so a key keeps its sessions whichever header a client puts it
+in (``""`` when there is none: the anonymous tenant). Its chain root is a
 keyed hash of that value (:func:`proxy.core.model.tenant_root`); the raw value is
 never stored or logged. The proxy and the admin API both use this one rule.
 
@@ -19,7 +22,7 @@ from collections.abc import Callable, Mapping
 from .core.model import tenant_root
 from .errors import StoreError
 
-__all__ = ["UNKNOWN_TENANT", "TenantRoots", "tenant_credential"]
+__all__ = ["API_KEY_HEADER", "UNKNOWN_TENANT", "TenantRoots", "tenant_credential"]
 
 UNKNOWN_TENANT = b""
 """The root of every request while the store's secret is unknown. A shared store refuses to
@@ -27,9 +30,19 @@ read or write under it (a turn keyed under no secret could never be matched by a
 process), so such requests are forwarded unrepaired; it is no HMAC, so no tenant has it."""
 
 
+API_KEY_HEADER = "x-api-key"
+"""Anthropic's credential header (the Messages API's ``Authorization: Bearer`` alternative)."""
+
+
 def tenant_credential(headers: Mapping[str, str], tenant_header: str = "") -> str:
     """The value that names a request's tenant (``""``: the anonymous tenant)."""
-    return headers.get(tenant_header or "Authorization", "")
+    if tenant_header:
+        return headers.get(tenant_header, "")
+    authorization = headers.get("Authorization", "")
+    if authorization:
+        return authorization
+    key = headers.get(API_KEY_HEADER, "")
+    return "Bearer " + key if key else ""
 
 
 class TenantRoots:
