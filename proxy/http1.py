@@ -34,6 +34,7 @@ __all__ = [
     "TransportError",
     "forward_request_headers",
     "forward_response_headers",
+    "keep_alive_timeout",
     "request_head",
     "speaks_anthropic",
 ]
@@ -148,6 +149,22 @@ def request_head(method: str, target: str, host: str, headers: Iterable[tuple[st
     if head.count("\n") != breaks or head.count("\r") != breaks:
         raise ValueError("a request header or the request line holds a line break")
     return head.encode("utf-8", "surrogateescape")
+
+
+def keep_alive_timeout(value: str | None) -> float | None:
+    """The ``timeout`` parameter of a ``Keep-Alive`` header (``timeout=5, max=100``, as
+    llama.cpp's server and Apache send): seconds the server keeps an idle connection."""
+    if not value:
+        return None
+    for part in value.split(","):
+        name, _, number = part.partition("=")
+        if name.strip().lower() == "timeout":
+            try:
+                seconds = float(number.strip())
+            except ValueError:
+                return None
+            return seconds if seconds >= 0 else None
+    return None
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -538,6 +555,9 @@ class Connection:
         self.closed = False
         self.paused = False
         self.keep_alive = True
+        self.kept_for: float | None = None
+        """Seconds the server said it keeps the connection open when idle (its ``Keep-Alive:
+        timeout=N``), if it said so."""
         self._headers: CIMultiDict[str] = CIMultiDict()
         self._reason = ""
         self.lost: asyncio.Future[None] = self.loop.create_future()
@@ -614,6 +634,7 @@ class Connection:
             self._error(Malformed("the upstream sent a response nobody asked for"))
             return
         self.keep_alive = bool(self.parser.should_keep_alive())
+        self.kept_for = keep_alive_timeout(self._headers.get("Keep-Alive"))
         no_body = self.no_body or status == 204 or status == 304
         response = Body(self, status, self._reason, self._headers, no_body)
         self._headers = CIMultiDict()

@@ -16,7 +16,8 @@ egress proxy: a ``CONNECT`` tunnel for https origins, absolute-form targets for 
 
 Timers are armed only while something waits (a connection, the response headers, a body
 chunk that has not arrived), and one per pool while it holds idle connections (which close
-after the route's ``idle_timeout``).
+after the route's ``idle_timeout``, or half the ``Keep-Alive: timeout=N`` the server announced,
+if that is sooner: :func:`kept_idle`).
 
 **A request is written once.** Nothing here sends a request again once a byte of it was
 written: the upstream may have read it whole and begun to generate (RFC 9110 9.2.2, RFC 9112
@@ -126,6 +127,7 @@ class Pool:
         self.where = f"{origin.host}:{origin.port}" + (f" through the proxy {proxy.label}" if proxy is not None else "")
         """How errors name the connection's destination (never the proxy's credentials)."""
         self._idle: dict[Connection, float] = {}
+        """The idle connections, least recently used first, each with the time it may be reused until."""
         self._expiry: asyncio.TimerHandle | None = None
         """Closes the idle connections past their timeout; armed while there are some."""
         self.open: set[Connection] = set()
@@ -136,12 +138,12 @@ class Pool:
         idle = self._idle
         if not idle:
             return None
-        oldest = self.loop.time() - self.route.idle_timeout
+        now = self.loop.time()
         while idle:
-            conn, since = idle.popitem()
+            conn, until = idle.popitem()
             if conn.closed:
                 continue
-            if since <= oldest or _dropped(conn):
+            if until <= now or _dropped(conn):
                 conn.abort()
                 self.forget(conn)
                 continue
@@ -160,26 +162,25 @@ class Pool:
             conn.abort()
             self.forget(conn)
             return
-        now = self.loop.time()
-        self._idle[conn] = now
-        if self._expiry is None:
-            self._expiry = self.loop.call_at(now + self.route.idle_timeout, self._expire)
+        until = self.loop.time() + kept_idle(self.route.idle_timeout, conn.kept_for)
+        self._idle[conn] = until
+        if self._expiry is None or until < self._expiry.when():
+            if self._expiry is not None:
+                self._expiry.cancel()
+            self._expiry = self.loop.call_at(until, self._expire)
         self.transport.freed()
 
     def _expire(self) -> None:
-        """Close the connections idle for longer than the route's timeout; wake again for the
-        next one to expire."""
+        """Close the idle connections past their time; wake again for the next one to expire."""
         self._expiry = None
-        timeout = self.route.idle_timeout
         now = self.loop.time()
-        while self._idle:
-            conn, since = next(iter(self._idle.items()))  # the oldest
-            if since + timeout > now:
-                self._expiry = self.loop.call_at(since + timeout, self._expire)
-                return
-            del self._idle[conn]
-            conn.abort()
-            self.forget(conn)
+        for conn, until in list(self._idle.items()):
+            if until <= now:
+                del self._idle[conn]
+                conn.abort()
+                self.forget(conn)
+        if self._idle:
+            self._expiry = self.loop.call_at(min(self._idle.values()), self._expire)
 
     def forget(self, conn: Connection) -> None:
         if conn in self.open:
@@ -197,6 +198,16 @@ class Pool:
             conn.abort()
         self._idle.clear()
         return [conn.lost for conn in closing if conn.transport is not None]
+
+
+def kept_idle(configured: float, server: float | None) -> float:
+    """How long an idle connection may be reused: ``upstream.idle_connection_timeout``, and at
+    most half of what the server announced (``Keep-Alive: timeout=N``). Half, not N less a
+    moment: the server counts from when it wrote the response, kvwarm from when it read the
+    last byte, and on a loaded machine (an engine prefilling on every core) the two clocks
+    drift apart by more than a second; a request written into a connection the server is
+    closing fails with a 502, since kvwarm never sends a request twice."""
+    return configured if server is None else min(configured, server / 2)
 
 
 def _dropped(conn: Connection) -> bool:

@@ -21,6 +21,7 @@ import pytest
 import trustme
 from aiohttp import web
 
+from proxy.http1 import keep_alive_timeout
 from proxy.transport import (
     HIGH_WATER,
     ConnectFailed,
@@ -30,6 +31,7 @@ from proxy.transport import (
     Response,
     Route,
     Transport,
+    kept_idle,
 )
 
 WAIT = 1.0
@@ -754,6 +756,38 @@ async def test_an_expired_idle_connection_is_never_reused_even_before_its_timer_
         time.sleep(SHORT * 1.5)  # noqa: ASYNC251 - blocks the loop on purpose: no timer runs
     assert upstream.accepted == 2
     await upstream.until_eofs(2)
+
+
+@pytest.mark.parametrize(
+    ("announced", "reused"),
+    [(f"timeout={SHORT * 2:g}, max=100", False), ("max=100", True), ("timeout=oops", True), (f"timeout={WAIT * 20:g}", True)],
+    ids=["half-the-server's", "no-timeout", "malformed", "longer-than-ours"],
+)
+async def test_a_server_announcing_its_keep_alive_timeout_is_left_at_half_of_it(
+    serve: Serve, transport: Transport, announced: str, reused: bool
+) -> None:
+    """llama.cpp's server says ``Keep-Alive: timeout=5``: its clock starts when it wrote the
+    response, kvwarm's when it read it, so kvwarm reuses such a connection for at most half of
+    that (never sending a request twice, it must not write into one the server is closing)."""
+    upstream = await serve(answer(message(b"ok", f"Keep-Alive: {announced}")))
+    pool = transport.pool(upstream.origin, Route(idle_timeout=WAIT))
+    response = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+    assert await read_all(response) == b"ok"
+    response.release()
+    await asyncio.sleep(SHORT * 1.5)  # past half the announced timeout, within ours
+    response = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+    assert await read_all(response) == b"ok"
+    response.release()
+    assert upstream.accepted == (1 if reused else 2)
+
+
+def test_keep_alive_timeout_is_read_from_the_header() -> None:
+    assert keep_alive_timeout("timeout=5, max=100") == 5.0
+    assert keep_alive_timeout("max=100, Timeout = 2.5") == 2.5
+    assert keep_alive_timeout("max=100") is None
+    assert keep_alive_timeout("timeout=-1") is None
+    assert keep_alive_timeout(None) is None
+    assert kept_idle(4.0, 5.0) == 2.5 and kept_idle(4.0, None) == 4.0 and kept_idle(4.0, 60.0) == 4.0
 
 
 async def test_idle_connections_within_the_timeout_are_reused_most_recent_first(serve: Serve, transport: Transport) -> None:
