@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import select
 import ssl
 from collections.abc import Iterable
@@ -76,8 +77,16 @@ __all__ = [
     "Route", "Transport", "TransportError",
 ]
 
+log = logging.getLogger(__name__)
+
 IDLE_CONNECTIONS = 64
 """Idle keep-alive connections kept per origin, beyond which they are closed."""
+
+QUICK_CLOSE = 1.0
+"""Seconds: an upstream that closes an idle connection this soon after its response closes its
+connections after responses (llama.cpp's server does after every stream, though it announces
+``Keep-Alive``). Its connections are not reused from then on (:meth:`Pool.distrust`): a request
+written into one just as the server closes it would fail, since it is never sent twice."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,29 +135,41 @@ class Pool:
         )
         self.where = f"{origin.host}:{origin.port}" + (f" through the proxy {proxy.label}" if proxy is not None else "")
         """How errors name the connection's destination (never the proxy's credentials)."""
-        self._idle: dict[Connection, float] = {}
-        """The idle connections, least recently used first, each with the time it may be reused until."""
+        self._idle: dict[Connection, tuple[float, float]] = {}
+        """The idle connections, least recently used first, each with when it went idle and
+        the time it may be reused until."""
+        self.reuses = True
+        """Connections go back to the pool after a response (until :meth:`distrust`)."""
         self._expiry: asyncio.TimerHandle | None = None
         """Closes the idle connections past their timeout; armed while there are some."""
         self.open: set[Connection] = set()
 
-    def take(self) -> Connection | None:
+    def take(self) -> tuple[Connection, float] | None:
         """The most recently idle connection that may carry a request: open, within its idle
-        timeout, and not readable (see the module's docstring). The others are closed."""
+        timeout, and not readable (see the module's docstring), with the seconds it was idle.
+        The others are closed."""
         idle = self._idle
         if not idle:
             return None
         now = self.loop.time()
         while idle:
-            conn, until = idle.popitem()
+            conn, (since, until) = idle.popitem()
             if conn.closed:
                 continue
             if until <= now or _dropped(conn):
+                if until > now and now - since < QUICK_CLOSE:
+                    self.distrust()
                 conn.abort()
                 self.forget(conn)
                 continue
-            return conn
+            return conn, now - since
         return None
+
+    def distrust(self) -> None:
+        """The upstream closes connections right after its responses: stop reusing them."""
+        if self.reuses:
+            self.reuses = False
+            log.info("%s closes its connections right after responses: a new one per request from now on", self.where)
 
     def oldest_idle(self) -> Connection | None:
         """The least recently used idle connection, out of the idle ones (to be closed)."""
@@ -158,12 +179,13 @@ class Pool:
         return None
 
     def idle(self, conn: Connection) -> None:
-        if len(self._idle) >= IDLE_CONNECTIONS:
+        if not self.reuses or len(self._idle) >= IDLE_CONNECTIONS:
             conn.abort()
             self.forget(conn)
             return
-        until = self.loop.time() + kept_idle(self.route.idle_timeout, conn.kept_for)
-        self._idle[conn] = until
+        now = self.loop.time()
+        until = now + kept_idle(self.route.idle_timeout, conn.kept_for)
+        self._idle[conn] = (now, until)
         if self._expiry is None or until < self._expiry.when():
             if self._expiry is not None:
                 self._expiry.cancel()
@@ -174,19 +196,23 @@ class Pool:
         """Close the idle connections past their time; wake again for the next one to expire."""
         self._expiry = None
         now = self.loop.time()
-        for conn, until in list(self._idle.items()):
+        for conn, (_, until) in list(self._idle.items()):
             if until <= now:
                 del self._idle[conn]
                 conn.abort()
                 self.forget(conn)
         if self._idle:
-            self._expiry = self.loop.call_at(min(self._idle.values()), self._expire)
+            self._expiry = self.loop.call_at(min(until for _, until in self._idle.values()), self._expire)
 
     def forget(self, conn: Connection) -> None:
+        """``conn`` is closed. One still idle was closed by the upstream (kvwarm takes a
+        connection out of the pool before closing it)."""
         if conn in self.open:
             self.open.discard(conn)
             self.transport.freed(closed=True)
-        self._idle.pop(conn, None)
+        idle = self._idle.pop(conn, None)
+        if idle is not None and self.loop.time() - idle[0] < QUICK_CLOSE:
+            self.distrust()
 
     def close(self) -> list[asyncio.Future[None]]:
         """Close every connection; the futures resolve as they are closed."""
@@ -267,12 +293,14 @@ class Transport:
             target = pool.absolute + target
             headers = itertools.chain(headers, pool.proxy_headers)
         head = request_head(method, target, pool.host, headers, body)  # refused before a connection is taken
-        conn, waiter = await self._send(pool, head, body, method == "HEAD", fresh)
+        conn, waiter, idled = await self._send(pool, head, body, method == "HEAD", fresh)
         timer = self.loop.call_later(within, _expire_response, waiter)
         try:
             response = await waiter
-        except BaseException:
+        except BaseException as exc:
             conn.finished(False)
+            if isinstance(exc, Disconnected) and exc.before_response and idled is not None and idled < QUICK_CLOSE:
+                pool.distrust()  # it closed the connection it had just answered on: it always will
             raise
         finally:
             timer.cancel()
@@ -281,18 +309,23 @@ class Transport:
             raise ProxyRefused(f"{pool.where}: the proxy answered 407 Proxy Authentication Required", status=407)
         return response
 
-    async def _send(self, pool: Pool, head: bytes, body: bytes, no_body: bool, fresh: bool) -> tuple[Connection, asyncio.Future[Body]]:
-        """Write the request on a connection: an idle one (:meth:`Pool.take`) or a new one. A
-        connection found closed before a byte was written is replaced when it was pooled; a
-        new one closed that soon means the upstream refused it (:class:`ConnectFailed`)."""
+    async def _send(
+        self, pool: Pool, head: bytes, body: bytes, no_body: bool, fresh: bool
+    ) -> tuple[Connection, asyncio.Future[Body], float | None]:
+        """Write the request on a connection: an idle one (:meth:`Pool.take`) or a new one;
+        with the seconds it was idle (None: new). A connection found closed before a byte was
+        written is replaced when it was pooled; a new one closed that soon means the upstream
+        refused it (:class:`ConnectFailed`)."""
         while True:
-            conn = None if fresh else pool.take()
-            opened = conn is None
-            if conn is None:
-                conn, opened = await self._connect(pool, fresh)
+            taken = None if fresh else pool.take()
+            if taken is None:
+                conn, idled = await self._connect(pool, fresh)
+            else:
+                conn, idled = taken
+            opened = idled is None
             if not conn.closed:
                 try:
-                    return conn, conn.send(head, body, no_body)
+                    return conn, conn.send(head, body, no_body), idled
                 except Disconnected:
                     pass  # closed under us, and said so before writing (uvloop)
                 except BaseException:
@@ -302,16 +335,16 @@ class Transport:
             if opened:
                 raise ConnectFailed(f"{pool.where} closed the new connection before the request was written")
 
-    async def _connect(self, pool: Pool, fresh: bool) -> tuple[Connection, bool]:
+    async def _connect(self, pool: Pool, fresh: bool) -> tuple[Connection, float | None]:
         """A new connection to ``pool``'s origin once fewer than ``limit`` are open (an idle one
         of another origin is closed to make room); an idle one of this origin freed meanwhile
-        is taken instead, unless ``fresh``. Returns it and whether it is new."""
+        is taken instead, unless ``fresh``. Returns it and the seconds it was idle (None: new)."""
         try:
             async with asyncio.timeout(self.connect_timeout):
                 while True:
                     reused = None if fresh else pool.take()
                     if reused is not None:
-                        return reused, False
+                        return reused
                     if self._open < self.limit:
                         break
                     idle = self._any_idle()
@@ -329,7 +362,7 @@ class Transport:
                     conn.abort()
                     pool.forget(conn)
                     raise
-                return conn, True
+                return conn, None
         except TimeoutError as exc:
             raise ConnectFailed(f"no connection to {pool.where} within {self.connect_timeout:g} s") from exc
         except ConnectFailed:

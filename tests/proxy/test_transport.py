@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import hashlib
+import logging
 import os
 import ssl
 import time
@@ -779,6 +780,69 @@ async def test_a_server_announcing_its_keep_alive_timeout_is_left_at_half_of_it(
     assert await read_all(response) == b"ok"
     response.release()
     assert upstream.accepted == (1 if reused else 2)
+
+
+async def test_an_upstream_that_closes_after_each_response_gets_a_new_connection_per_request(
+    serve: Serve, transport: Transport, caplog: pytest.LogCaptureFixture
+) -> None:
+    """llama.cpp's server closes the connection right after a streamed response, though it
+    announced ``Keep-Alive``. Once the pool saw an idle connection closed that soon, it stops
+    reusing them: reused, the next request could be written just as the server closes it, and
+    kvwarm never sends a request twice."""
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(message(b"ok", "Keep-Alive: timeout=5, max=100"))
+        await writer.drain()
+        await asyncio.sleep(SHORT / 4)  # then closes, unasked
+        return False
+
+    caplog.set_level(logging.INFO, logger="proxy.transport")
+    upstream = await serve(reply)
+    pool = transport.pool(upstream.origin, Route(idle_timeout=WAIT))
+    for _ in range(4):
+        response = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+        assert await read_all(response) == b"ok"
+        response.release()
+        await asyncio.sleep(SHORT)  # the close arrives while the connection is idle
+    assert not pool.reuses and upstream.accepted == 4
+    assert [r.connection for r in upstream.requests] == [1, 2, 3, 4]
+    assert sum("closes its connections right after responses" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_request_lost_to_such_a_close_is_the_last_one_lost(serve: Serve, transport: Transport) -> None:
+    """The next request came before the close: it was written into the closing connection and
+    fails (never sent twice), and from then on every request gets a connection of its own."""
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(message(b"ok"))
+        await writer.drain()
+        await asyncio.sleep(SHORT / 2)  # then closes, unasked, whatever arrived meanwhile
+        return False
+
+    upstream = await serve(reply)
+    pool = transport.pool(upstream.origin, Route(idle_timeout=WAIT))
+    outcomes = []
+    for _ in range(5):  # each request right after the previous response
+        try:
+            response = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+        except Disconnected:
+            outcomes.append("lost")
+            continue
+        assert await read_all(response) == b"ok"
+        response.release()
+        outcomes.append("ok")
+    assert outcomes == ["ok", "lost", "ok", "ok", "ok"] and not pool.reuses
+
+
+async def test_an_upstream_that_keeps_connections_keeps_being_reused(serve: Serve, transport: Transport) -> None:
+    upstream = await serve(answer(message(b"ok", "Keep-Alive: timeout=5, max=100")))
+    pool = transport.pool(upstream.origin, Route(idle_timeout=WAIT))
+    for _ in range(3):
+        response = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+        assert await read_all(response) == b"ok"
+        response.release()
+        await asyncio.sleep(SHORT)
+    assert pool.reuses and upstream.accepted == 1
 
 
 def test_keep_alive_timeout_is_read_from_the_header() -> None:
