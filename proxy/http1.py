@@ -555,6 +555,9 @@ class Connection:
         self.closed = False
         self.paused = False
         self.keep_alive = True
+        self.streamed = False
+        """The last response came in chunks (a stream): some servers close such a connection
+        right after it, unasked (:class:`~proxy.transport.Pool`)."""
         self.kept_for: float | None = None
         """Seconds the server said it keeps the connection open when idle (its ``Keep-Alive:
         timeout=N``), if it said so."""
@@ -635,6 +638,7 @@ class Connection:
             return
         self.keep_alive = bool(self.parser.should_keep_alive())
         self.kept_for = keep_alive_timeout(self._headers.get("Keep-Alive"))
+        self.streamed = "chunked" in self._headers.get("Transfer-Encoding", "").lower()
         no_body = self.no_body or status == 204 or status == 304
         response = Body(self, status, self._reason, self._headers, no_body)
         self._headers = CIMultiDict()

@@ -82,6 +82,12 @@ log = logging.getLogger(__name__)
 IDLE_CONNECTIONS = 64
 """Idle keep-alive connections kept per origin, beyond which they are closed."""
 
+GRACE = 0.05
+"""Seconds a connection must have stayed open after a streamed response before it is reused,
+until one of the pool did (:attr:`Pool.proven`): long enough for the close of an upstream that
+closes after streams to arrive, so the pool learns it (:meth:`Pool.distrust`) instead of
+writing the next request into the closing connection."""
+
 QUICK_CLOSE = 1.0
 """Seconds: an upstream that closes an idle connection this soon after its response closes its
 connections after responses (llama.cpp's server does after every stream, though it announces
@@ -140,6 +146,9 @@ class Pool:
         the time it may be reused until."""
         self.reuses = True
         """Connections go back to the pool after a response (until :meth:`distrust`)."""
+        self.proven = False
+        """A connection of this pool stayed open :data:`GRACE` after a streamed response: from
+        then on one is reused however soon after its stream."""
         self._expiry: asyncio.TimerHandle | None = None
         """Closes the idle connections past their timeout; armed while there are some."""
         self.open: set[Connection] = set()
@@ -152,17 +161,20 @@ class Pool:
         if not idle:
             return None
         now = self.loop.time()
-        while idle:
-            conn, (since, until) = idle.popitem()
-            if conn.closed:
-                continue
-            if until <= now or _dropped(conn):
+        for conn, (since, until) in reversed(list(idle.items())):  # the most recently idle first
+            if not conn.closed and until > now and not _dropped(conn):
+                if conn.streamed and not self.proven:
+                    if now - since < GRACE:
+                        continue  # too soon to tell whether the upstream is closing it
+                    self.proven = True
+                del idle[conn]
+                return conn, now - since
+            del idle[conn]
+            if not conn.closed:
                 if until > now and now - since < QUICK_CLOSE:
-                    self.distrust()
+                    self.distrust()  # readable this soon after its response: closed by the upstream
                 conn.abort()
                 self.forget(conn)
-                continue
-            return conn, now - since
         return None
 
     def distrust(self) -> None:

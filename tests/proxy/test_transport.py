@@ -24,6 +24,7 @@ from aiohttp import web
 
 from proxy.http1 import keep_alive_timeout
 from proxy.transport import (
+    GRACE,
     HIGH_WATER,
     ConnectFailed,
     Disconnected,
@@ -337,6 +338,7 @@ async def test_a_chunked_body_with_extensions_and_trailers_is_read_whole(
     assert body == b"hello world!"
     assert response.complete and response.content_length is None
     assert "X-Checksum" not in response.headers  # trailers are not response headers
+    await asyncio.sleep(GRACE * 2)  # a stream's connection is reused once it outlived the grace
     _, second = await fetch(transport, upstream)
     assert second == b"next"
     assert upstream.accepted == 1
@@ -432,6 +434,7 @@ async def test_a_read_takes_every_byte_that_arrived_since_the_last_one(serve: Se
 async def test_trailers_do_not_leak_into_the_next_response_on_the_connection(serve: Serve, transport: Transport) -> None:
     upstream = await serve(answer(CHUNKED_WITH_EXTENSIONS, message(b"next", "X-Next: 1")))
     await fetch(transport, upstream)
+    await asyncio.sleep(GRACE * 2)  # a stream's connection is reused once it outlived the grace
     second, _ = await fetch(transport, upstream)
     assert upstream.accepted == 1
     assert sorted(second.headers) == ["Content-Length", "X-Next"]
@@ -832,6 +835,44 @@ async def test_a_request_lost_to_such_a_close_is_the_last_one_lost(serve: Serve,
         response.release()
         outcomes.append("ok")
     assert outcomes == ["ok", "lost", "ok", "ok", "ok"] and not pool.reuses
+
+
+async def test_a_stream_that_the_upstream_closes_after_loses_no_request(serve: Serve, transport: Transport) -> None:
+    """llama.cpp's server closes the connection right after a stream ends, a moment later. The
+    next request, right after the stream, takes a new connection (the stream's is reused only
+    once it outlived the grace), and the close teaches the pool to stop reusing."""
+    stream = message(b"5\r\nhello\r\n0\r\n\r\n", "Transfer-Encoding: chunked", length=False)
+
+    async def reply(request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(stream)
+        await writer.drain()
+        await asyncio.sleep(SHORT / 2)  # then closes, unasked, whatever arrived meanwhile
+        return False
+
+    upstream = await serve(reply)
+    pool = transport.pool(upstream.origin, Route(idle_timeout=WAIT))
+    for _ in range(4):  # each request right after the previous stream
+        response = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+        assert await read_all(response) == b"hello"
+        response.release()
+    assert upstream.accepted == 4
+    await asyncio.sleep(SHORT)
+    assert not pool.reuses
+
+
+async def test_a_stream_connection_that_outlives_the_grace_proves_the_pool(serve: Serve, transport: Transport) -> None:
+    stream = message(b"5\r\nhello\r\n0\r\n\r\n", "Transfer-Encoding: chunked", length=False)
+    upstream = await serve(answer(stream))
+    pool = transport.pool(upstream.origin, Route(idle_timeout=WAIT))
+    for pause in (0.0, GRACE * 2, 0.0, 0.0):
+        await asyncio.sleep(pause)
+        response = await transport.request(pool, "GET", "/v1/x", [], b"", within=WAIT)
+        assert await read_all(response) == b"hello"
+        response.release()
+    # the stream's connection outlived the grace before the second request: from then on it
+    # is reused however soon after a stream
+    assert pool.proven and pool.reuses
+    assert [r.connection for r in upstream.requests] == [1, 1, 1, 1]
 
 
 async def test_an_upstream_that_keeps_connections_keeps_being_reused(serve: Serve, transport: Transport) -> None:
