@@ -4,7 +4,7 @@
 nothing is global. Resources live under typed :class:`web.AppKey` keys and are
 opened and closed in ``cleanup_ctx``: the pooled upstream transport, the
 transcript store, the token counter, and the maintenance task (eviction and
-store gauges).
+store gauges); then the keep-alive's task, when enabled (:mod:`proxy.keepalive`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .config import Settings
 from .core.pricing import PriceTable
 from .errors import MetricsUnauthorized, ProxyError, error_body
 from .guard import body_arrived, check_path, read_body, send_and_close, shown_path
+from .keepalive import KEEPALIVE_CLOCK, keepalive_ctx
 from .metrics import ProxyMetrics
 from .pipeline import Pipeline
 from .routing import affinity_for
@@ -82,9 +83,11 @@ def create_app(
     registry: CollectorRegistry | None = None,
     store: TranscriptStore | AsyncStore | None = None,
     prices: PriceTable | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> web.Application:
     """Build the proxy app. Tests inject a fresh registry and, when they want, a store
-    (a local one is wrapped in :class:`LocalStore`)."""
+    (a local one is wrapped in :class:`LocalStore`) and the keep-alive's clock (default: the
+    event loop's time; :mod:`proxy.keepalive`)."""
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
         middlewares=[edge_middleware],
@@ -101,7 +104,10 @@ def create_app(
         prices = settings.metrics.prices()
     app[PRICES] = prices
     app[READY] = asyncio.Event()
+    if clock is not None:
+        app[KEEPALIVE_CLOCK] = clock
     app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.append(keepalive_ctx)  # after the resources it uses; stopped before them
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     if settings.metrics.enabled:

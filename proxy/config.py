@@ -15,6 +15,7 @@ and handed to the pure core (:mod:`proxy.core.pricing`).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -106,6 +107,11 @@ class UpstreamSettings:
     as before), or ``auto``: ``openai`` on api.openai.com for GPT-5.6 and later models,
     ``cache_control`` on openrouter.ai for ``anthropic/`` and ``qwen/`` models and on DashScope
     hosts, ``off`` anywhere else."""
+    provider_diagnostics: bool = False
+    """Ask the provider why a prompt missed its cache (proxy/diagnosis.py): kvwarm names the
+    session's previous response as ``prompt_cache_options.comparison_response_id`` (Responses API)
+    where the client named none, and counts the provider's verdict. Off: the client's bytes. Only
+    for an upstream that takes the option (OpenAI's Responses API, GPT-5.6 and later)."""
 
 
 PROXY_ENVIRONMENT = (("https_proxy", "HTTPS_PROXY"), ("http_proxy", "HTTP_PROXY"), ("no_proxy", "NO_PROXY"))
@@ -238,6 +244,27 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class KeepaliveSettings:
+    """Opt-in keep-alive of paused sessions' cached prefixes (proxy/keepalive/): shortly before a
+    prefix kvwarm marked would expire, one minimal request re-reads it, when the tenant's own
+    history says the session is likely enough to come back for the read to pay for itself."""
+
+    enabled: bool = False
+    budget_usd_per_day: float = 1.0
+    """Most USD the pings may cost in any 24 hours (each ping's worst case counted before it is
+    sent); with several workers, each gets its share."""
+    max_session_seconds: float = 3600.0
+    """No ping once a session has been quiet this long since its last turn."""
+    lead_seconds: float = 30.0
+    """A ping goes this many seconds before the prefix would expire; below the TTL."""
+    ttl_seconds: float = 0.0
+    """The provider's cache TTL. 0: what the response's usage reports, else the dialect's
+    default (``cache_control`` 5 minutes, ``openai`` 30 minutes)."""
+    max_sessions: int = 1000
+    """Sessions watched at once (each holds its last request's bytes while pings may follow)."""
+
+
+@dataclass(frozen=True, slots=True)
 class AdminSettings:
     token: str = ""
     """Bearer token for /kvwarm/ from non-loopback clients. Empty: loopback only."""
@@ -256,6 +283,7 @@ class Settings:
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     repair: RepairSettings = field(default_factory=RepairSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    keepalive: KeepaliveSettings = field(default_factory=KeepaliveSettings)
     admin: AdminSettings = field(default_factory=AdminSettings)
     log: LogSettings = field(default_factory=LogSettings)
 
@@ -441,6 +469,7 @@ def _validate(s: Settings) -> None:
         raise ConfigError("upstream.base_url", "lists the same URL twice")
     _validate_routing(s.routing)
     _validate_upstream(s.upstream)
+    _validate_keepalive(s.keepalive)
     backend = s.store.backend
     if backend != "memory" and not (backend.startswith("sqlite:") and len(backend) > len("sqlite:")) and not is_redis_url(backend):
         raise ConfigError("store.backend", f"expected 'memory', 'sqlite:PATH' or a redis:// URL, got {backend!r}")
@@ -501,6 +530,24 @@ def _validate_upstream(u: UpstreamSettings) -> None:
     except ValueError as exc:
         key, _, problem = str(exc).partition(": ")
         raise ConfigError(f"upstream.{key}", problem) from None
+
+
+SHORTEST_TTL = 300.0
+"""The shortest cache TTL a keep-alive may face (Anthropic-style ``cache_control``: 5 minutes)."""
+
+
+def _validate_keepalive(k: KeepaliveSettings) -> None:
+    if not (math.isfinite(k.budget_usd_per_day) and k.budget_usd_per_day >= 0):
+        raise ConfigError("keepalive.budget_usd_per_day", f"must be a finite number of USD >= 0, got {k.budget_usd_per_day}")
+    if not (math.isfinite(k.max_session_seconds) and k.max_session_seconds > 0):
+        raise ConfigError("keepalive.max_session_seconds", "must be a positive number of seconds")
+    if not (math.isfinite(k.ttl_seconds) and k.ttl_seconds >= 0):
+        raise ConfigError("keepalive.ttl_seconds", "must be 0 (the provider's default) or a positive number of seconds")
+    ttl = k.ttl_seconds or SHORTEST_TTL
+    if not 0 < k.lead_seconds < ttl:
+        raise ConfigError("keepalive.lead_seconds", f"must be more than 0 and less than the cache TTL ({ttl:g} s), got {k.lead_seconds}")
+    if k.max_sessions < 1:
+        raise ConfigError("keepalive.max_sessions", "must be at least 1")
 
 
 def _validate_routing(r: RoutingSettings) -> None:

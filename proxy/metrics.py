@@ -18,8 +18,8 @@ Requests
       Requests being served now.
   ``kvwarm_errors_total{stage}``
       Failures by pipeline stage: parse, identify, match, repair, diagnose,
-      record, usage, upstream, relay, store, report, routing, breakpoints (fail-open errors
-      included).
+      record, usage, upstream, relay, store, report, routing, breakpoints, diagnostics, keepalive
+      (fail-open errors included).
 
 Usage (from each response's usage block)
   ``kvwarm_prompt_tokens_total{model}``
@@ -53,7 +53,8 @@ Cost
   ``kvwarm_cost_usd_total{model,source}``
       USD spent; ``source`` is ``"billed"`` (the provider's bill) or
       ``"estimated"`` (the price table: cache reads at the cached price, cache writes at the
-      write price of their TTL, premium included).
+      write price of their TTL, premium included), or ``"keepalive"`` (the keep-alive pings,
+      billed or estimated: below).
   ``kvwarm_unpriced_requests_total{model}``
       Responses whose cost is unknown (no bill, no price for the model).
 
@@ -85,6 +86,26 @@ Cache breakpoints (proxy/core/breakpoints.py)
       Requests sent without the markers chosen for them: the markers could not be written into
       their bytes (a splice refusal reason) or placing them failed (``error``).
 
+Keep-alive (proxy/keepalive/: pings that keep a paused session's cached prefix warm; never turns)
+  ``kvwarm_keepalive_requests_total{outcome}``
+      Each ping that fell due, by what became of it: ``sent`` (answered, the prefix read),
+      ``missed`` (answered, but the provider had lost the prefix: the schedule stops),
+      ``failed`` (no answer, or an error: never retried), ``skipped_unprofitable`` (the
+      expected saving did not exceed its cost), ``budget_exhausted`` (its worst case did not
+      fit ``keepalive.budget_usd_per_day``), ``max_age`` (quiet past
+      ``keepalive.max_session_seconds``), ``unpriced`` (no price for the model),
+      ``unsupported`` (no marker to cut the request at). All but ``sent`` end the session's pings.
+  ``kvwarm_keepalive_tokens_total{kind}``
+      The pings' tokens: ``cached`` (read), ``written``, ``uncached`` prompt tokens, ``output``.
+      Not in the request series above (a ping is not a request of a client's).
+  ``kvwarm_cost_usd_total{model,source="keepalive"}``
+      What the pings cost (billed or at the price table): part of the total spend.
+  ``kvwarm_keepalive_saved_usd_total``
+      The cache writes avoided: a session that came back after its prefix would have expired,
+      and read it because of the pings (at the list prices: the write less the read).
+  ``kvwarm_keepalive_lost_usd_total``
+      What the pings cost on sessions they did not save (never came back, or too late).
+
 Repair and matching
   ``kvwarm_repairs_total{kind}``
       Messages (or the tools array) rewritten back to their stored form, by drift kind.
@@ -97,6 +118,17 @@ Repair and matching
       ``unsafe_number``, ...).
   ``kvwarm_prefix_breaks_total{reason}``
       Requests that left the stored transcript, by diagnosed reason.
+
+Provider diagnostics (the provider's own verdict on a response's cache use, proxy/diagnosis.py)
+  ``kvwarm_provider_cache_diagnoses_total{verdict}``
+      Responses that carried one: ``hit``, ``client_miss`` (the request differed from the
+      compared one), ``provider_miss`` (it matched, and the provider had lost the prefix: TTL,
+      eviction, routing) or ``unknown`` (the compared response was forgotten or wrote nothing).
+  ``kvwarm_provider_cache_misses_total{side,reason}``
+      The misses among them: ``side`` ``client`` or ``provider``, ``reason`` the provider's
+      (``input_changed``, ``tools_changed``, ``model_changed``, ... for the client's side;
+      ``expired``, ``evicted``, ``unavailable``, ``not_reused`` for the provider's;
+      proxy/core/provider_misses.py).
   ``kvwarm_matched_messages_total``, ``kvwarm_request_messages_total``
       Messages inside the matched prefix, and all request messages; their
       ratio is the share of each request kvwarm recognised.
@@ -166,6 +198,7 @@ import proxy
 from proxy.core.breakpoints import CACHE_CONTROL, OPENAI
 from proxy.core.breakpoints import KINDS as BREAKPOINT_KINDS
 from proxy.core.pricing import Cost
+from proxy.core.provider_misses import SIDES, VERDICTS
 from proxy.core.usage import UNKNOWN_TTL, WRITE_TTLS, Usage
 
 from .native import native_label
@@ -186,6 +219,8 @@ ERROR_STAGES = (
     "report",
     "routing",
     "breakpoints",
+    "diagnostics",
+    "keepalive",
 )
 """The stages counted by ``kvwarm_errors_total``; any other name is counted as ``"other"``."""
 
@@ -212,6 +247,12 @@ LATENCY_BUCKETS = (
 """Seconds: from a cache-hit first byte (ms) to a long reasoning generation (minutes)."""
 DIALECTS = (OPENAI, CACHE_CONTROL)
 """The ``dialect`` values of ``kvwarm_breakpoints_total``."""
+KEEPALIVE_OUTCOMES = (
+    "sent", "missed", "failed", "skipped_unprofitable", "budget_exhausted", "max_age", "unpriced", "unsupported",
+)
+"""The ``outcome`` values of ``kvwarm_keepalive_requests_total``."""
+KEEPALIVE_TOKENS = ("cached", "written", "uncached", "output")
+"""The ``kind`` values of ``kvwarm_keepalive_tokens_total``."""
 RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 _MAX_LABEL_LEN = 100
@@ -454,6 +495,20 @@ class ProxyMetrics:
             "Requests sent without the cache markers chosen for them, by reason.",
             ("reason",),
         )
+        self.keepalive_requests = counter(
+            "kvwarm_keepalive_requests_total",
+            "Keep-alive pings that fell due, by what became of them.",
+            ("outcome",),
+        )
+        self.keepalive_tokens = counter(
+            "kvwarm_keepalive_tokens_total", "Tokens of the keep-alive pings, by kind.", ("kind",)
+        )
+        self.keepalive_saved_usd = counter(
+            "kvwarm_keepalive_saved_usd_total", "USD of cache writes the keep-alive pings avoided."
+        )
+        self.keepalive_lost_usd = counter(
+            "kvwarm_keepalive_lost_usd_total", "USD of keep-alive pings for sessions they did not save."
+        )
         self.cache_hit_ratio = Histogram(
             "kvwarm_request_cache_hit_ratio",
             "Per response: cached prompt tokens / prompt tokens.",
@@ -476,6 +531,16 @@ class ProxyMetrics:
             "kvwarm_prefix_breaks_total",
             "Requests that left the stored transcript, by reason.",
             ("reason",),
+        )
+        self.provider_diagnoses = counter(
+            "kvwarm_provider_cache_diagnoses_total",
+            "Responses carrying the provider's verdict on their cache use, by verdict.",
+            ("verdict",),
+        )
+        self.provider_misses = counter(
+            "kvwarm_provider_cache_misses_total",
+            "Cache misses the provider diagnosed, by side (client: the request changed; provider: it lost the prefix) and reason.",
+            ("side", "reason"),
         )
         self.matched_messages = counter(
             "kvwarm_matched_messages_total", "Request messages inside the matched stored prefix."
@@ -563,6 +628,14 @@ class ProxyMetrics:
         for dialect in DIALECTS:
             for kind in BREAKPOINT_KINDS:
                 self.breakpoints.labels(dialect=dialect, kind=kind)
+        for outcome in KEEPALIVE_OUTCOMES:
+            self.keepalive_requests.labels(outcome=outcome)
+        for kind in KEEPALIVE_TOKENS:
+            self.keepalive_tokens.labels(kind=kind)
+        for verdict in VERDICTS:
+            self.provider_diagnoses.labels(verdict=verdict)
+        for side, reason in (("client", "input_changed"), ("provider", "unavailable")):
+            self.provider_misses.labels(side=side, reason=reason)  # each side's generic reason
 
     def _child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, cached."""
@@ -699,6 +772,33 @@ class ProxyMetrics:
         if refused:
             batch.inc(self._child(self.breakpoints_refused, self._reasons(refused[:_MAX_LABEL_LEN])))
 
+    def observe_keepalive(
+        self, outcome: str, *, model: str = "", usage: Usage | None = None, cost: Cost | None = None
+    ) -> None:
+        """Count one keep-alive ping that fell due, by ``outcome`` (:data:`KEEPALIVE_OUTCOMES`),
+        and, when it was sent, its tokens and its cost (``source="keepalive"``). Applied at once:
+        pings are few, and never in a request's batch."""
+        self._child(self.keepalive_requests, outcome if outcome in KEEPALIVE_OUTCOMES else OTHER).inc()
+        if usage is not None:
+            prompt = max(0, usage.prompt_tokens or 0)
+            cached = min(max(0, usage.cached_tokens or 0), prompt)
+            written = min(max(0, usage.cache_write_tokens or 0), prompt - cached)
+            for kind, count in (
+                ("cached", cached), ("written", written), ("uncached", prompt - cached - written),
+                ("output", max(0, usage.completion_tokens or 0)),
+            ):
+                if count:
+                    self._child(self.keepalive_tokens, kind).inc(count)
+        if cost is not None and cost.usd is not None and cost.usd > 0:
+            self._child(self.cost_usd, self.model_label(model), "keepalive").inc(cost.usd)
+
+    def observe_keepalive_result(self, *, saved_usd: float = 0.0, lost_usd: float = 0.0) -> None:
+        """What a session's keep-alive came to: the write it avoided, or the pings it lost."""
+        if saved_usd > 0:
+            self.keepalive_saved_usd.inc(saved_usd)
+        if lost_usd > 0:
+            self.keepalive_lost_usd.inc(lost_usd)
+
     def observe_refused(self, reason: str) -> None:
         """Count one repair that could not be spliced (a ``proxy.core.splice.REFUSALS`` reason)."""
         self._pending().inc(self._child(self.repairs_refused, self._reasons(str(reason)[:_MAX_LABEL_LEN])))
@@ -706,6 +806,15 @@ class ProxyMetrics:
     def observe_break(self, reason: str) -> None:
         """Count one prefix break by its diagnosed reason."""
         self._pending().inc(self._child(self.prefix_breaks, self._reasons(str(reason)[:_MAX_LABEL_LEN])))
+
+    def observe_provider_verdict(self, verdict: str, side: str, reason: str) -> None:
+        """Count one verdict of the provider on a response's cache use, and the miss it names
+        (``side`` non-empty)."""
+        batch = self._pending()
+        batch.inc(self._child(self.provider_diagnoses, verdict if verdict in VERDICTS else OTHER))
+        if side:
+            label = self._reasons(str(reason)[:_MAX_LABEL_LEN])
+            batch.inc(self._child(self.provider_misses, side if side in SIDES else OTHER, label))
 
     def observe_match(self, matched: int, total: int) -> None:
         """Count a request's messages and how many of them were inside the matched prefix."""

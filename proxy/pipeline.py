@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -42,6 +42,7 @@ from .core.plan import TurnPlan, turn_write
 from .core.prefix import PrefixMemo, Recalled
 from .core.pricing import PriceTable, cost_of
 from .core.transcript_md import Transcript
+from .diagnosis import ProviderDiagnosis, verdict_of
 from .errors import ProxyError
 from .failopen import FailOpen
 from .guard import shown_path
@@ -56,6 +57,9 @@ from .turn import Forward, Scope, Turn
 from .upstream import Upstream, forward_request_headers
 from .wire import WIRES
 from .wire.base import Outgoing, Wire
+
+if TYPE_CHECKING:  # the keep-alive imports the edge modules the app imports
+    from .keepalive import KeepAlive
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +82,9 @@ class Pipeline:
         self.tokens = store.token_counts(counter)
         """Token counts of the store's nodes, made when and as the store keeps them."""
         self.reporter = Reporter(metrics, breaks)
+        self.keepalive: KeepAlive | None = None
+        """Keeps paused sessions' cached prefixes warm (:mod:`proxy.keepalive`; the app sets it when
+        enabled): told of each recorded turn, O(1)."""
         self.policy = settings.repair.policy()
         self.tenants = TenantRoots(store.secret, settings.store.tenant_header, shared=store.shared)
         self.memo = IdentityMemo()
@@ -90,6 +97,8 @@ class Pipeline:
         self.marker_rules = frozenset(r.traits.cache_breakpoints for r in self.router.replicas) - {OFF}
         """The pool's cache-marker rules but ``off`` (:mod:`proxy.core.breakpoints`): a request
         whose model one of them marks has what the tree knows looked up while planning."""
+        self.diagnosis = ProviderDiagnosis(settings.upstream.provider_diagnostics)
+        """Which earlier response the provider compares each request with (:mod:`proxy.diagnosis`)."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """One request, step by step (docs/ARCHITECTURE.md, "The request path")."""
@@ -158,6 +167,9 @@ class Pipeline:
             with turn.guard("breakpoints"):
                 plan = plan.with_tree(tree_facts(plan.match, view))
         turn.plan = plan
+        if self.diagnosis.enabled:
+            with turn.guard("diagnostics"):
+                turn.comparison = self.diagnosis.comparison(wire.name, body, plan)
 
     async def fill(self, turn: Turn, wire: Wire, body: dict[str, Any], plan: TurnPlan, view: StoreView) -> TurnPlan:
         """Fill a shared store's view with what the plan looked up (bounded rounds, within budget)
@@ -225,12 +237,19 @@ class Pipeline:
             answer.client_gone = outcome.client_gone
             answer.reply = turn.observer.end(client_gone=outcome.client_gone)
             answer.usage = turn.observer.usage
+            answer.verdict = verdict_of(turn.observer)
             self.price(turn)
             await self.store_turn(turn)
         try:
             await lease.done(outcome)  # after the write: the recorded prefix lives on that replica
         except Exception as exc:
             turn.guard.fail("routing", exc)
+        keepalive = self.keepalive
+        if keepalive is not None and turn.wire is not None:
+            try:
+                keepalive.note(turn, lease.replica, lease.outgoing.body)
+            except Exception as exc:
+                turn.guard.fail("keepalive", exc)
 
     def report(self, turn: Turn) -> None:
         """After the response (queued to the end of this event-loop iteration, before the client's
@@ -278,6 +297,9 @@ class Pipeline:
             return
         if write is None:
             return
+        if self.diagnosis.enabled:
+            with guard("diagnostics"):
+                self.diagnosis.remember(write.leaf, turn.observer)
         try:
             write = await self.tokens.counted_turn(write)
         except Exception as exc:

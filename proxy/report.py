@@ -13,6 +13,12 @@ the request's frozen plan and its :class:`Answer`:
 
 The log line carries no prompt text and no credential.
 
+The provider's own verdict on the response's cache use (``upstream.provider_diagnostics``,
+:mod:`proxy.diagnosis`) comes with the response, after these headers went out: it is in the
+metrics and the log line (``provider=hit``, ``provider=client:input_changed``,
+``provider=provider:expired``), never in a header. Read with ``break=``: a break is the client's
+drift kvwarm could not repair; ``provider=provider:...`` without one is a prefix the provider lost.
+
 The headers go out with the response; the rest of a request's report is written after it:
 :meth:`Reporter.report` queues it, and the queue is written at the end of the event loop's
 iteration (after the response's last byte), or by any read of the metrics first
@@ -32,6 +38,7 @@ from typing import Protocol
 from .core.breakpoints import Marks
 from .core.plan import TurnPlan
 from .core.pricing import Cost
+from .core.provider_misses import CacheVerdict
 from .core.record import Reply
 from .core.usage import Usage
 from .failopen import FailOpen
@@ -62,6 +69,8 @@ class Answer:
     """Stages that failed open (the request's fail-open guard's list)."""
     marks: Marks | None = None
     """The cache markers kvwarm placed on the request sent (None: the upstream takes none)."""
+    verdict: CacheVerdict | None = None
+    """The provider's verdict on the response's cache use (None: it gave none)."""
 
     def __init__(
         self,
@@ -74,6 +83,7 @@ class Answer:
         client_gone: bool = False,
         failed: Sequence[str] = (),
         marks: Marks | None = None,
+        verdict: CacheVerdict | None = None,
     ) -> None:
         self.status = status
         self.ttfb = ttfb
@@ -83,6 +93,7 @@ class Answer:
         self.client_gone = client_gone
         self.failed = failed
         self.marks = marks
+        self.verdict = verdict
 
 
 class BreakSink(Protocol):
@@ -160,6 +171,9 @@ class Reporter:
                 if brk.span is not None and self.breaks is not None:
                     span = brk.span
                     self.breaks.note_break(plan.root, brk.reason, _where(span.depth), span.shape, span.hint, time.time())
+        verdict = answer.verdict
+        if verdict is not None:
+            m.observe_provider_verdict(verdict.verdict, verdict.side, verdict.reason)
         if log.isEnabledFor(logging.INFO):
             _log_line(api, model, stream, plan, answer, duration)
         if log.isEnabledFor(logging.DEBUG) and plan is not None:
@@ -174,11 +188,13 @@ def _log_line(api: str, model: str, stream: bool, plan: TurnPlan | None, answer:
     cost = answer.cost
     price = f"${cost.usd:.6f}{'' if cost.billed else '~'}" if cost and cost.usd is not None else "?"
     brk = plan.broke if plan is not None else None
+    verdict = answer.verdict
     log.info(
-        "%s model=%s status=%s stream=%s prompt=%s cached=%s hit=%s repaired=%d break=%s cost=%s duration=%.3fs%s%s",
+        "%s model=%s status=%s stream=%s prompt=%s cached=%s hit=%s repaired=%d break=%s%s cost=%s duration=%.3fs%s%s",
         api, model or "-", answer.status, stream, prompt, cached, hit,
         len(plan.repair.repairs) if plan is not None else 0,
-        brk.reason if brk is not None else "-", price, duration,
+        brk.reason if brk is not None else "-", f" provider={verdict.label}" if verdict is not None else "",
+        price, duration,
         f" unrepaired={plan.refused}" if plan is not None and plan.refused else "",
         f" failed_open={','.join(answer.failed)}" if answer.failed else "",
     )

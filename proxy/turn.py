@@ -15,6 +15,7 @@ from aiohttp import web
 
 from .core.plan import TurnPlan
 from .core.prefix import Recalled
+from .diagnosis import asked
 from .failopen import FailOpen
 from .report import Answer
 from .routing import Replica, Route
@@ -33,7 +34,7 @@ class Turn:
     """One request on its way through kvwarm, from the client's bytes to its report."""
 
     __slots__ = (
-        "answer", "body", "guard", "model", "observer", "plan", "raw", "recalled", "request", "scope",
+        "answer", "body", "comparison", "guard", "model", "observer", "plan", "raw", "recalled", "request", "scope",
         "started", "wire",
     )
 
@@ -59,6 +60,9 @@ class Turn:
         """The body's ``model`` (``""`` when it names none)."""
         self.plan: TurnPlan | None = None
         """Match, repair and break (:func:`~proxy.core.plan.plan_turn`); None: not planned."""
+        self.comparison: str | None = None
+        """The earlier response the provider is asked to compare this request's cache use with
+        (:mod:`proxy.diagnosis`); None: kvwarm asks nothing."""
         self.observer: Observer = _UNTOUCHED
         """The wire's reading of the response: the usage, the reply as generated."""
         self.answer = Answer(failed=guard.failed)
@@ -79,10 +83,11 @@ class Turn:
 class Forward:
     """What a turn goes upstream with (:class:`~proxy.routing.router.Payload`): the wire's bytes
     for the replica's traits (the repaired body; for chat streams, ``include_usage`` unless the
-    replica reports llama.cpp ``timings``), with the route's ``prompt_cache_key``. A repair that
-    cannot be written fails open: the client's bytes."""
+    replica reports llama.cpp ``timings``), with the route's ``prompt_cache_key`` and the turn's
+    comparison (:mod:`proxy.diagnosis`). A repair that cannot be written fails open: the client's
+    bytes; so does a comparison: the bytes without it."""
 
-    __slots__ = ("body", "guard", "plan", "raw", "route", "wire")
+    __slots__ = ("body", "comparison", "guard", "plan", "raw", "route", "wire")
 
     def __init__(self, turn: Turn, route: Route) -> None:
         self.raw = turn.raw
@@ -91,6 +96,7 @@ class Forward:
         self.plan = turn.plan
         self.guard = turn.guard
         self.route = route
+        self.comparison = turn.comparison
 
     def for_replica(self, replica: Replica) -> Outgoing:
         wire, body, plan = self.wire, self.body, self.plan
@@ -102,4 +108,9 @@ class Forward:
             self.guard.fail("repair", exc)
             out = Outgoing(body=self.raw, usage_injected=False)
         keyed = self.route.keyed(out.body)
+        if self.comparison is not None:
+            try:
+                keyed = asked(wire.name, keyed, body, self.comparison)
+            except Exception as exc:
+                self.guard.fail("diagnostics", exc)
         return out if keyed is out.body else replace(out, body=keyed)

@@ -39,6 +39,14 @@ class Totals:
     """``kvwarm_cost_usd_total{source="billed"}``."""
     cost_estimated_usd: float = 0.0
     """``kvwarm_cost_usd_total{source="estimated"}``."""
+    cost_keepalive_usd: float = 0.0
+    """``kvwarm_cost_usd_total{source="keepalive"}``: the keep-alive pings (proxy/keepalive/)."""
+    keepalive_pings: float = 0.0
+    """``kvwarm_keepalive_requests_total{outcome="sent"|"missed"}``: pings the provider answered."""
+    keepalive_saved_usd: float = 0.0
+    """``kvwarm_keepalive_saved_usd_total``: cache writes the pings avoided."""
+    keepalive_lost_usd: float = 0.0
+    """``kvwarm_keepalive_lost_usd_total``: pings for sessions they did not save."""
     unpriced_requests: float = 0.0
     cache_write_tokens: float = 0.0
     """``kvwarm_cache_write_tokens_total``, every TTL (the reads are ``cached_tokens``)."""
@@ -48,6 +56,13 @@ class Totals:
     """Of ``savings_usd``, the repairs' (``by="repair"``)."""
     write_premium_usd: float = 0.0
     """``kvwarm_cache_write_premium_usd_total``: what the writes cost above the input price."""
+    provider_verdicts: float = 0.0
+    """``kvwarm_provider_cache_diagnoses_total``: responses carrying the provider's cache verdict."""
+    provider_side_misses: float = 0.0
+    """``kvwarm_provider_cache_misses_total{side="provider"}``: prefixes the provider lost."""
+    client_side_misses: float = 0.0
+    """``kvwarm_provider_cache_misses_total{side="client"}``: misses the provider put down to a
+    changed request."""
 
     def minus(self, earlier: Totals) -> Totals:
         """What happened between ``earlier`` and this reading (never negative)."""
@@ -64,7 +79,7 @@ class Totals:
 
     @property
     def cost_usd(self) -> float:
-        return self.cost_billed_usd + self.cost_estimated_usd
+        return self.cost_billed_usd + self.cost_estimated_usd + self.cost_keepalive_usd
 
     @property
     def net_savings_usd(self) -> float:
@@ -96,13 +111,21 @@ _SUMMED: Mapping[str, str] = {
     "kvwarm_prefix_breaks_total": "breaks",
     "kvwarm_unpriced_requests_total": "unpriced_requests",
     "kvwarm_cache_write_tokens_total": "cache_write_tokens",
+    "kvwarm_keepalive_saved_usd_total": "keepalive_saved_usd",
+    "kvwarm_keepalive_lost_usd_total": "keepalive_lost_usd",
     "kvwarm_cache_savings_usd_total": "savings_usd",
     "kvwarm_cache_write_premium_usd_total": "write_premium_usd",
+    "kvwarm_provider_cache_diagnoses_total": "provider_verdicts",
 }
 _COST = "kvwarm_cost_usd_total"
+_COST_FIELDS = {"billed": "cost_billed_usd", "estimated": "cost_estimated_usd", "keepalive": "cost_keepalive_usd"}
+_KEEPALIVE = "kvwarm_keepalive_requests_total"
+_ANSWERED = frozenset(("sent", "missed"))
 _SAVINGS = "kvwarm_cache_savings_usd_total"
 _BREAKS = "kvwarm_prefix_breaks_total"
 _REQUESTS = "kvwarm_requests_total"
+_PROVIDER_MISSES = "kvwarm_provider_cache_misses_total"
+_SIDE_FIELDS = {"provider": "provider_side_misses", "client": "client_side_misses"}
 
 
 def read_counters(registry: CollectorRegistry) -> Reading:
@@ -115,9 +138,17 @@ def read_counters(registry: CollectorRegistry) -> Reading:
         for sample in family.samples:
             name = sample.name
             if name == _COST:
-                source = sample.labels.get("source")
-                key = "cost_billed_usd" if source == "billed" else "cost_estimated_usd"
-                values[key] += sample.value
+                source = sample.labels.get("source", "")
+                values[_COST_FIELDS.get(source, "cost_estimated_usd")] += sample.value
+                continue
+            if name == _KEEPALIVE:
+                if sample.labels.get("outcome") in _ANSWERED:
+                    values["keepalive_pings"] += sample.value
+                continue
+            if name == _PROVIDER_MISSES:
+                side = _SIDE_FIELDS.get(sample.labels.get("side", ""))
+                if side is not None:
+                    values[side] += sample.value
                 continue
             field_name = _SUMMED.get(name)
             if field_name is None:

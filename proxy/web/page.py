@@ -204,8 +204,10 @@ def _operator_cards(slots: _Slots) -> str:
         f'<h2>Saved by the cache today</h2>{k("saved_today", "p", "big")}'
         f'{k("saved_split", "p", "sub")}{k("saved_repair", "p", "sub")}</article>'
         + slots.card("Cost today", "cost_today", "cost_split", "today_since", ("cost_note", "p", "sub warn"))
+        + slots.card("Keep-alive today", "keepalive_net", "keepalive_pings", "keepalive_split")
         + slots.card("Requests", "requests", "requests_note", "tokens_note")
         + slots.card("Prefix breaks", "breaks_total", extra='<p class="sub">since start, by reason below</p>')
+        + slots.card("Misses the provider diagnosed", "provider_lost", "provider_split", "provider_note")
         + "</section>"
     )
 

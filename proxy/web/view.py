@@ -327,8 +327,11 @@ def _process_text(overview: Mapping[str, Any]) -> dict[str, str]:
         "rescued": fmt_count(totals["rescued_tokens"]),
         "rescued_note": f"prompt tokens kept cacheable by {fmt_count(totals['repairs'])} repairs",
         **_savings_text(today),
-        "cost_today": fmt_usd(today["cost_billed_usd"] + today["cost_estimated_usd"]),
-        "cost_split": f"billed {fmt_usd(today['cost_billed_usd'])} · estimated {fmt_usd(today['cost_estimated_usd'])}",
+        **_provider_text(totals),
+        "cost_today": fmt_usd(today["cost_billed_usd"] + today["cost_estimated_usd"] + today["cost_keepalive_usd"]),
+        "cost_split": f"billed {fmt_usd(today['cost_billed_usd'])} · estimated {fmt_usd(today['cost_estimated_usd'])}"
+        + (f" · keep-alive {fmt_usd(today['cost_keepalive_usd'])}" if today["cost_keepalive_usd"] else ""),
+        **_keepalive_text(today),
         "cost_note": f"{unpriced} unpriced request{'s' if unpriced != 1 else ''} not included" if unpriced else "",
         "requests": fmt_count(totals["requests"]),
         "requests_note": f"{fmt_count(today['requests'])} today · {failed} not 2xx",
@@ -346,6 +349,40 @@ def _savings_text(today: Mapping[str, Any]) -> dict[str, str]:
         "saved_tone": "good" if net > 0 else "bad" if net < 0 else "none",
         "saved_split": f"reads saved {fmt_usd(today['savings_usd'])} · writes cost {fmt_usd(today['write_premium_usd'])} extra",
         "saved_repair": f"{fmt_usd(today['repair_savings_usd'])} of it by repairs",
+    }
+
+
+def _provider_text(totals: Mapping[str, Any]) -> dict[str, str]:
+    """The "misses the provider diagnosed" card: the prefixes the provider lost (its TTL, an
+    eviction, routing), beside the misses it put down to a changed request (kvwarm's own breaks
+    say where the client drifted)."""
+    verdicts = float(totals["provider_verdicts"])
+    return {
+        "provider_lost": fmt_count(totals["provider_side_misses"]),
+        "provider_split": f"provider-side: it lost the prefix · {fmt_count(totals['client_side_misses'])} client-side: the request changed",
+        "provider_note": (
+            f"of {fmt_count(verdicts)} responses the provider diagnosed"
+            if verdicts
+            else "none diagnosed: set upstream.provider_diagnostics where the provider can say"
+        ),
+    }
+
+
+def _keepalive_text(today: Mapping[str, Any]) -> dict[str, str]:
+    """The keep-alive card: today's pings, the writes they avoided less what they cost, and what
+    they lost on sessions that never came back (proxy/keepalive/)."""
+    pings, cost = float(today["keepalive_pings"]), float(today["cost_keepalive_usd"])
+    saved, lost = float(today["keepalive_saved_usd"]), float(today["keepalive_lost_usd"])
+    if not (pings or cost or saved or lost):
+        return {
+            "keepalive_net": DASH,
+            "keepalive_pings": "no keep-alive pings today",
+            "keepalive_split": "opt-in: [keepalive] enabled = true",
+        }
+    return {
+        "keepalive_net": fmt_usd(saved - cost),
+        "keepalive_pings": f"{fmt_count(pings)} ping{'s' if round(pings) != 1 else ''} cost {fmt_usd(cost)}",
+        "keepalive_split": f"writes avoided {fmt_usd(saved)} · lost on sessions not back {fmt_usd(lost)}",
     }
 
 

@@ -49,7 +49,13 @@ without ``input`` have none): they are forwarded unchanged and only their usage 
 Observer: the output items of a JSON body or of ``response.completed``; when the stream
 ends early (the client left, or ``response.failed`` / ``response.incomplete``), the items
 as delivered: the finished ones whole, the one in flight with the text, arguments or
-custom-tool input its deltas carried so far.
+custom-tool input its deltas carried so far. Also the response's ``id`` and, when the request
+named a ``comparison_response_id``, the provider's verdict on its cache use
+(``prompt_cache_diagnostics``, :mod:`proxy.core.provider_misses`).
+
+Provider diagnostics (``upstream.provider_diagnostics``, :mod:`proxy.diagnosis`):
+:func:`with_comparison` names the earlier response the provider compares a request with, inside
+the client's bytes, where the client named none.
 """
 
 from __future__ import annotations
@@ -67,16 +73,17 @@ from ..core.model import NodeReader
 from ..core.plan import TurnPlan, plan_turn
 from ..core.policy import Policy
 from ..core.prefix import Recalled
+from ..core.provider_misses import CacheVerdict, openai_verdict
 from ..core.record import Reply
 from ..core.repair import NO_REPAIR
-from ..core.splice import Edit, Refusal, Reorder, Replace, try_splice
+from ..core.splice import Edit, Insert, Refusal, Reorder, Replace, try_splice
 from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage
 from ..traits import UpstreamTraits
 from .base import KEEP, BodyBuffer, Outgoing, Verdict, body_json, json_post
 from .cache_marks import ResponsesElements, item_positions, with_breakpoints
 
-__all__ = ["ResponsesObserver", "ResponsesWire", "item_edits", "items_view"]
+__all__ = ["ResponsesObserver", "ResponsesWire", "item_edits", "items_view", "with_comparison"]
 
 PATH_SUFFIX = "/responses"
 TEXT_PARTS = frozenset(("input_text", "output_text"))
@@ -417,10 +424,44 @@ def _text_edits(client: Any, restored: Any, path: tuple[str | int, ...]) -> list
     return out
 
 
-class ResponsesObserver:
-    """One Responses API response on its way to the client: usage and output items, as generated."""
+OPTIONS = "prompt_cache_options"
+COMPARISON = "comparison_response_id"
+RETENTION = "prompt_cache_retention"
+"""The deprecated form of ``prompt_cache_options.ttl``: a provider refuses a request with both."""
 
-    __slots__ = ("_body", "_done", "_guard", "_items", "_partial", "_pending", "_success", "_terminal", "usage")
+
+def with_comparison(raw: bytes, body: Mapping[str, Any], response_id: str) -> bytes:
+    """``raw`` (the bytes about to go upstream; ``body``: the client's parse, whose top-level keys
+    they share) asking the provider to compare this request's cache use with ``response_id``:
+    ``"comparison_response_id"`` spliced in as the first member of the client's
+    ``prompt_cache_options``, or ``"prompt_cache_options": {"comparison_response_id": ...}`` as the
+    body's first member when it has none (mode and TTL stay the provider's defaults).
+
+    ``raw`` as it is when the client named a comparison itself (never overridden), sent
+    ``prompt_cache_retention`` (never both: a provider refuses them together), sent options that
+    are no object, or when the splice cannot be made (:data:`~proxy.core.splice.REFUSALS`)."""
+    if RETENTION in body:
+        return raw
+    value = orjson.dumps(response_id)
+    if OPTIONS not in body:
+        edit = Insert(path=(), key=OPTIONS, value=b'{"' + COMPARISON.encode() + b'":' + value + b"}")
+    else:
+        options = body[OPTIONS]
+        if type(options) is not dict or COMPARISON in options:
+            return raw
+        edit = Insert(path=(OPTIONS,), key=COMPARISON, value=value)
+    out = try_splice(raw, [edit])
+    return raw if isinstance(out, Refusal) else out
+
+
+class ResponsesObserver:
+    """One Responses API response on its way to the client: usage and output items, as generated,
+    the response's id and the provider's cache verdict."""
+
+    __slots__ = (
+        "_body", "_done", "_guard", "_items", "_partial", "_pending", "_success", "_terminal", "response_id", "usage",
+        "verdict",
+    )
 
     def __init__(self, guard: Guard, *, success: bool) -> None:
         self._guard = guard
@@ -432,6 +473,10 @@ class ResponsesObserver:
         self._done: list[Any] | None = None
         """The final output, from ``response.completed``."""
         self.usage: Usage | None = None
+        self.response_id: str | None = None
+        """The response's ``id`` (what a later request may be compared with)."""
+        self.verdict: CacheVerdict | None = None
+        """The provider's verdict on this response's cache use (``prompt_cache_diagnostics``)."""
         self._terminal = False
         """The event just observed closes the stream."""
         self._pending: list[bytes] = []
@@ -469,6 +514,7 @@ class ResponsesObserver:
             response = data.get("response")
             if type(response) is dict:
                 self.usage = extract_usage(response) or self.usage
+                self._read_report(response)
                 output = response.get("output")
                 if type(output) is list and kind == "response.completed":
                     self._done = output
@@ -480,6 +526,15 @@ class ResponsesObserver:
             delta = data.get("delta")
             if isinstance(delta, str):
                 self._partial.setdefault(index, []).append(delta)
+
+    def _read_report(self, response: dict[str, Any]) -> None:
+        """The response's id, and the provider's verdict when the request asked for one."""
+        found = response.get("id")
+        if isinstance(found, str) and found:
+            self.response_id = found
+        diagnostics = response.get("prompt_cache_diagnostics")
+        if diagnostics is not None:
+            self.verdict = openai_verdict(diagnostics)
 
     def is_terminal(self, event: SSEEvent) -> bool:
         """Called right after :meth:`on_event` for the same event."""
@@ -498,6 +553,7 @@ class ResponsesObserver:
                 payload = body_json(data)
                 if type(payload) is dict:
                     self.usage = extract_usage(payload)
+                    self._read_report(payload)
                     got = payload.get("output")
                     output = got if type(got) is list else None
             elif self._done is not None:

@@ -1,6 +1,6 @@
 """``make bench``: run every benchmark, print the Markdown report, write ``docs/bench/latest.md``.
 
-``python -m tests.bench.run [--quick] [--peers] [--only proxy,core,store,routing,scale]``
+``python -m tests.bench.run [--quick] [--peers] [--only proxy,core,store,routing,scale,breakpoints,keepalive]``
 
 - ``--quick``: fewer samples and a smaller store (about a third of the time);
 - ``--peers``: add LiteLLM's proxy as a column of the proxy benchmark (installed into
@@ -20,8 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.bench import (
+    breakpoints,
     core_responses,
     core_speed,
+    keepalive,
     proxy_latency,
     routing,
     scale,
@@ -31,7 +33,7 @@ from tests.bench import (
 from tests.bench.report import Section, machine_header
 
 REPORT = Path(__file__).resolve().parents[2] / "docs" / "bench" / "latest.md"
-SECTIONS = ("proxy", "core", "responses", "store", "flood", "routing", "scale")
+SECTIONS = ("proxy", "core", "responses", "store", "flood", "routing", "scale", "breakpoints", "keepalive")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         "store": lambda: store_scale.run(args.quick),
         "routing": lambda: routing.run(args.quick),
         "scale": lambda: scale.run(args.quick),
+        "breakpoints": lambda: breakpoints.run(args.quick),
+        "keepalive": lambda: keepalive.run(args.quick),
     }
     started = time.perf_counter()
     parts = [machine_header(argv)]

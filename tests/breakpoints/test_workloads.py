@@ -2,16 +2,16 @@
 reference upstream in its breakpoint modes (proxy/sim/markers.py), which reports and bills
 cache reads and writes.
 
-Every workload runs against a fresh upstream per route, so the routes never share a cache;
-each is measured from the usage the upstream returned to the client, billed as the upstream
-bills it (proxy/sim/accounting.py: a read 0.1 x input, a write 1.25 x). Markers render no
-token: every request's ``prompt_tokens`` is the same direct and through kvwarm.
+Every workload (tests/breakpoints/workloads.py, which the benchmark runs too) runs against a
+fresh upstream per route, so the routes never share a cache; each is measured from the usage the
+upstream returned to the client, billed as the upstream bills it (proxy/sim/accounting.py: a read
+0.1 x input, a write 1.25 x). Markers render no token: every request's ``prompt_tokens`` is the
+same direct and through kvwarm.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,100 +20,25 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy.sim.accounting import READ_PRICE, WRITE_PRICE, Accounting
+from proxy.sim.accounting import READ_PRICE, WRITE_PRICE
 from proxy.sim.markers import ANTHROPIC, OPENAI_BREAKPOINTS
 from proxy.sim.state import SimConfig
+from tests.breakpoints.workloads import (
+    CC,
+    INPUT,
+    MODEL,
+    SYSTEM,
+    TOOLS,
+    Ledger,
+    agent,
+    ask,
+    marked_last,
+    single_shot_tasks,
+)
 from tests.conftest import ProxyFactory, metric, received
-from tests.sim.conftest import SEARCH_TOOL, WEATHER_TOOL, long_system_prompt
 
 SimFactory = Callable[..., Awaitable[TestServer]]
 ClientFactory = Callable[..., openai.AsyncOpenAI]
-
-MODEL = "sim-cache"
-SYSTEM = long_system_prompt(160)
-"""About 2000 tokens: a stable prefix the upstream caches (1024 tokens at least)."""
-TOOLS = [WEATHER_TOOL, SEARCH_TOOL]
-CC = {"type": "ephemeral"}
-INPUT = SimConfig().price_input
-
-
-@dataclass
-class Ledger:
-    """What one route's requests read, wrote and cost, as the upstream reported them."""
-
-    mode: str
-    prompts: list[int] = field(default_factory=list)
-    cached: list[int] = field(default_factory=list)
-    written: list[int] = field(default_factory=list)
-    usd: float = 0.0
-
-    def add(self, usage: dict[str, Any]) -> None:
-        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-        completion = usage.get("completion_tokens", usage.get("output_tokens"))
-        assert isinstance(prompt, int) and isinstance(completion, int)
-        cached, written = details.get("cached_tokens") or 0, details.get("cache_write_tokens") or 0
-        self.prompts.append(prompt)
-        self.cached.append(cached)
-        self.written.append(written)
-        self.usd += Accounting(
-            prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion, reasoning_tokens=0,
-            cache_write_tokens=written, cache_mode=self.mode,
-        ).charged(SimConfig(cache_mode=self.mode))
-
-    @property
-    def share(self) -> float:
-        return sum(self.cached) / sum(self.prompts)
-
-    def line(self, name: str) -> str:
-        return (
-            f"{name:<22} requests={len(self.prompts):>3} prompt={sum(self.prompts):>6} cached={sum(self.cached):>6} "
-            f"({100 * self.share:5.1f}%) written={sum(self.written):>6} usd={self.usd * 1000:.4f}m"
-        )
-
-
-async def ask(client: openai.AsyncOpenAI, ledger: Ledger, messages: list[Any], **kwargs: Any) -> Any:
-    response = await client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
-    assert response.usage is not None
-    ledger.add(response.usage.model_dump())
-    return response.choices[0].message
-
-
-def single_shot_tasks(n: int) -> list[list[dict[str, Any]]]:
-    return [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Task {i}: summarise file {i}.py."}] for i in range(n)]
-
-
-def marked_last(messages: list[Any]) -> list[Any]:
-    """The static policy: a marker on the system prompt and on the latest message's last part."""
-    out = [dict(m) for m in messages]
-    for m in (out[0], out[-1]):
-        content = m["content"]
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else [dict(p) for p in content]
-        parts[-1]["cache_control"] = CC
-        m["content"] = parts
-    return out
-
-
-async def agent(
-    client: openai.AsyncOpenAI, ledger: Ledger, name: str, *, static: bool = False, long_turn: bool = True
-) -> list[Any]:
-    """A marker-less (or statically marked) coding agent: two tasks, each a tool round and an
-    answer; the second task's tool results come in many parts (a long turn: more blocks than a
-    provider looks back over)."""
-    messages: list[Any] = [{"role": "system", "content": SYSTEM}]
-    for task in range(2):
-        messages.append({"role": "user", "content": f"{name}, task {task}: check the weather and search the web."})
-        while True:
-            sent = marked_last(messages) if static else messages
-            reply = await ask(client, ledger, sent, tools=TOOLS)
-            messages.append(reply.model_dump(exclude_none=True))
-            if not reply.tool_calls:
-                break
-            for call in reply.tool_calls:
-                lines = 12 if long_turn and task == 1 else 1
-                parts = [{"type": "text", "text": f"{call.id}: line {k} of the result."} for k in range(lines)]
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": parts if lines > 1 else parts[0]["text"]})
-    return messages
 
 
 async def routes(make_sim: SimFactory, make_proxy: ProxyFactory, mode: str, setting: str, **overrides: Any) -> tuple[TestServer, TestServer, TestServer]:
