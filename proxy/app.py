@@ -24,8 +24,8 @@ from .admin import add_admin_routes
 from .appkeys import ACTIVITY, HISTORY, METRICS, PIPELINE, PRICES, READY, REGISTRY, SETTINGS, STORE
 from .config import Settings
 from .core.pricing import PriceTable
+from .edge import body_arrived, check_path, read_body, send_and_close, shown_path
 from .errors import MetricsUnauthorized, ProxyError, error_body
-from .guard import body_arrived, check_path, read_body, send_and_close, shown_path
 from .keepalive import KEEPALIVE_CLOCK, keepalive_ctx
 from .metrics import ProxyMetrics
 from .pipeline import Pipeline
@@ -59,7 +59,7 @@ def error_response(status: int, message: str, error_type: str, code: str) -> web
 async def edge_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Before any handler runs, the guard's checks (:mod:`proxy.guard`): the path, then the whole
+    """Before any handler runs, the edge's checks (:mod:`proxy.edge`): the path, then the whole
     body within its size and time limits. A :class:`ProxyError`, a refusal of theirs or a
     handler's, becomes an OpenAI-shaped error. One middleware, not two: each costs every
     request a coroutine and a call through aiohttp's chain."""

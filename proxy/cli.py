@@ -149,7 +149,7 @@ def settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
 
 def configure_logging(level: str, *, pid: bool = False) -> None:
     """``pid``: each line names its process (a supervisor and its workers share one stderr)."""
-    from .guard import quiet_malformed_requests
+    from .edge import quiet_malformed_requests
 
     logging.basicConfig(
         level=level.upper(),
@@ -222,7 +222,7 @@ def _run_until_signal(settings: Settings, serve: Callable[[], Coroutine[Any, Any
     from aiohttp.web_runner import GracefulExit
 
     _tune_gc()
-    # web.run_app, unrolled: its TCP site has no connection cap (proxy.guard.GuardedSite has).
+    # web.run_app, unrolled: its TCP site has no connection cap (proxy.edge.GuardedSite has).
     loop = _new_loop(settings.server.uvloop)
     asyncio.set_event_loop(loop)
     main = loop.create_task(serve())
@@ -250,7 +250,7 @@ def _run_until_signal(settings: Settings, serve: Callable[[], Coroutine[Any, Any
 async def _serve(app: web.Application, settings: Settings) -> None:
     """Listen until SIGINT / SIGTERM (GracefulExit), then stop as ``web.run_app`` does: in-flight
     requests get ``server.shutdown_timeout`` seconds, then the app's resources close."""
-    from .guard import start_server
+    from .edge import start_server
 
     runner, site = await start_server(app, settings, handle_signals=True)
     try:

@@ -43,9 +43,9 @@ from .core.prefix import PrefixMemo, Recalled
 from .core.pricing import PriceTable, cost_of
 from .core.transcript_md import Transcript
 from .diagnosis import ProviderDiagnosis, verdict_of
+from .edge import shown_path
 from .errors import ProxyError
 from .failopen import FailOpen
-from .guard import shown_path
 from .metrics import ProxyMetrics
 from .relay import Relay, RelayOutcome
 from .report import BreakSink, Reporter, visibility_headers

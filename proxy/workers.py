@@ -79,8 +79,8 @@ import orjson
 from aiohttp import web
 
 from .config import Settings
+from .edge import FD_RESERVE, ConnectionCap, GuardedSite, ensure_fd_limit, runner_options
 from .errors import ConfigError, KvwarmError
-from .guard import FD_RESERVE, ConnectionCap, GuardedSite, ensure_fd_limit, runner_options
 
 __all__ = [
     "BACKOFF",
@@ -197,7 +197,7 @@ def slot_sockets(addresses: Sequence[Address]) -> list[socket.socket]:
 
 
 class InheritedSite(GuardedSite):
-    """A :class:`~proxy.guard.GuardedSite` (the connection cap) on sockets the supervisor bound,
+    """A :class:`~proxy.edge.GuardedSite` (the connection cap) on sockets the supervisor bound,
     instead of binding ``host:port`` itself; one cap over all of them. The sockets listen from
     :meth:`start` (``create_server`` calls ``listen``), once the app is ready, until :meth:`stop`
     closes them."""

@@ -21,8 +21,8 @@ from aiohttp.test_utils import TestServer
 from proxy.config import ServerSettings
 from proxy.core.sse import SSEEvent
 from proxy.core.usage import Usage
+from proxy.edge import runner_options
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
-from proxy.guard import runner_options
 from proxy.relay import WHOLE_BODY_LIMIT, Relay, RelayOutcome
 from proxy.transport import Transport
 from proxy.upstream import forward_request_headers

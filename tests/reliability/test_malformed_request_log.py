@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy import guard
+from proxy import edge
 from proxy.cli import configure_logging
 from tests.reliability.conftest import exchange, get
 
@@ -26,7 +26,7 @@ def kvwarm_logging() -> Iterator[None]:
     configure_logging("INFO")
     yield
     server_log = logging.getLogger("aiohttp.server")
-    for installed in [f for f in server_log.filters if isinstance(f, guard.MalformedRequestFilter)]:
+    for installed in [f for f in server_log.filters if isinstance(f, edge.MalformedRequestFilter)]:
         server_log.removeFilter(installed)
 
 
