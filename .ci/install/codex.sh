@@ -5,30 +5,8 @@
 set -euo pipefail
 
 CODEX_VERSION="0.169.0"
-DIR="${KVWARM_CLIENTS_DIR:-$HOME/.cache/kvwarm-clients}"
-BIN="$DIR/node_modules/.bin/codex"
-PKG="$DIR/node_modules/@openai/codex/package.json"
 
-installed_version() {
-  [ -f "$PKG" ] || return 1
-  sed -n 's/^[[:space:]]*"version":[[:space:]]*"\([^"]*\)".*/\1/p' "$PKG" | head -n1
-}
+# shellcheck source=lib/npm_cli.sh
+source "$(dirname "$0")/lib/npm_cli.sh"
 
-if [ "$(installed_version || true)" = "$CODEX_VERSION" ] && [ -x "$BIN" ] \
-   && "$BIN" --version >/dev/null 2>&1; then
-  exit 0
-fi
-
-if ! command -v npm >/dev/null 2>&1; then
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
-fi
-
-mkdir -p "$DIR"
-# A private package.json keeps npm from walking up into some other project.
-[ -f "$DIR/package.json" ] || printf '{\n  "name": "kvwarm-clients",\n  "private": true\n}\n' >"$DIR/package.json"
-npm install --prefix "$DIR" --no-audit --no-fund --no-progress --loglevel=error \
-  --save-exact "@openai/codex@$CODEX_VERSION" >/dev/null
-
-"$BIN" --version
+install_npm_cli "@openai/codex" "$CODEX_VERSION" codex

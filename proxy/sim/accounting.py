@@ -24,11 +24,14 @@ no writes, reads at ``price_cached_input``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .engine import CacheUse
 from .markers import ANTHROPIC, BREAKPOINT_MODES
+from .prompt import Prompt
+from .render import Segment, encode_segments
 from .state import SimConfig
 
 READ_PRICE = 0.1
@@ -77,6 +80,27 @@ class Accounting:
             long_write_tokens=use.written_long,
             cache_mode=config.cache_mode,
             anthropic_usage=config.anthropic_usage,
+        )
+
+    @classmethod
+    def of_reply(
+        cls,
+        config: SimConfig,
+        use: CacheUse,
+        prompt: Prompt,
+        reply_tail: Sequence[Segment],
+        reasoning: str | None,
+    ) -> Accounting:
+        """The counts of an exchange that answered ``prompt`` (its cache use ``use``) with
+        ``reply_tail`` (:func:`~proxy.sim.render.reply_segments`: the output tokens are its first
+        segment, the generated body as it renders, counted alike on every endpoint) and
+        ``reasoning``."""
+        return cls.of(
+            config,
+            use,
+            prompt_tokens=len(prompt.tokens),
+            completion_tokens=len(encode_segments(reply_tail[:1])),
+            reasoning_tokens=len(encode_segments([reasoning or ""])),
         )
 
     @property

@@ -18,6 +18,7 @@ Every TTL runs on the state's clock (:mod:`.clock`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,13 @@ def prefill(state: SimState, prompt: Prompt) -> CacheUse:
 def time_to_first_token(config: SimConfig, prompt_tokens: int, cached_tokens: int) -> float:
     """Seconds before the first token: a base plus a cost per uncached prompt token."""
     return config.ttft_base + config.ttft_per_uncached_token * (prompt_tokens - cached_tokens)
+
+
+async def wait_first_token(config: SimConfig, prompt: Prompt, use: CacheUse) -> None:
+    """Wait the time to the first token of an answer to ``prompt`` (its cache use ``use``)."""
+    ttft = time_to_first_token(config, len(prompt.tokens), use.cached)
+    if ttft:
+        await asyncio.sleep(ttft)
 
 
 def keep_generated(state: SimState, prompt: Prompt, reply_tail: Sequence[Segment]) -> None:

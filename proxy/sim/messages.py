@@ -46,13 +46,13 @@ from aiohttp import web
 
 from .accounting import Accounting
 from .content_blocks import assistant_messages, check_tools, to_messages
-from .engine import keep_generated, prefill, time_to_first_token
+from .engine import keep_generated, prefill, wait_first_token
 from .faults import drop_connection
 from .items import InputError
 from .message_events import message_events, message_object
 from .message_script import content_blocks, plan_message_turn, stop_reason
 from .prompt import MESSAGES, InvalidJSON, Prompt, build_prompt, load_json, off_loop
-from .render import encode_segments, reply_segments
+from .render import reply_segments
 from .state import SIM_STATE, ReceivedRequest, SimConfig, SimState
 from .steering import Steering
 from .wire import (
@@ -70,29 +70,19 @@ COUNT_ENDPOINT = "messages.count_tokens"
 
 async def create_message(request: web.Request) -> web.StreamResponse:
     """``POST /v1/messages``."""
-    state = request.app[SIM_STATE]
-    body = await request.read()
-    state.record(_received(request, body, ENDPOINT))
-    steering = await _steering(request)
-    if isinstance(steering, web.Response):
-        return steering
-    prompt = await _prepare(state.config, body, count_only=False)
-    if isinstance(prompt, web.Response):
-        return prompt
+    received = await _received_prompt(request, ENDPOINT, count_only=False)
+    if isinstance(received, web.Response):
+        return received
+    state, steering, prompt = received
     return await _answer(request, state, steering, prompt)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     """``POST /v1/messages/count_tokens``: the prompt's tokens, with no cache read or written."""
-    state = request.app[SIM_STATE]
-    body = await request.read()
-    state.record(_received(request, body, COUNT_ENDPOINT))
-    steering = await _steering(request)
-    if isinstance(steering, web.Response):
-        return steering
-    prompt = await _prepare(state.config, body, count_only=True)
-    if isinstance(prompt, web.Response):
-        return prompt
+    received = await _received_prompt(request, COUNT_ENDPOINT, count_only=True)
+    if isinstance(received, web.Response):
+        return received
+    _, _, prompt = received
     return json_response(
         {"input_tokens": len(prompt.tokens)}, headers={REQUEST_ID_HEADER: new_request_id()}
     )
@@ -113,6 +103,23 @@ def render_message_prompt(request: dict[str, Any], config: SimConfig, count_only
     tools = check_tools(request.get("tools"))
     messages = to_messages(request.get("system"), request.get("messages"))
     return build_prompt(config, request, messages, tools, api=MESSAGES)
+
+
+async def _received_prompt(
+    request: web.Request, endpoint: str, *, count_only: bool
+) -> tuple[SimState, Steering, Prompt] | web.Response:
+    """Record the request (as one to ``endpoint``), then read its steering and its prompt; the
+    error response where either is refused."""
+    state = request.app[SIM_STATE]
+    body = await request.read()
+    state.record(_received(request, body, endpoint))
+    steering = await _steering(request)
+    if isinstance(steering, web.Response):
+        return steering
+    prompt = await _prepare(state.config, body, count_only=count_only)
+    if isinstance(prompt, web.Response):
+        return prompt
+    return state, steering, prompt
 
 
 async def _steering(request: web.Request) -> Steering | web.Response:
@@ -154,16 +161,8 @@ async def _answer(
     content = content_blocks(turn)
     (generated,) = assistant_messages(content)
     reply_tail = reply_segments(generated)
-    accounting = Accounting.of(
-        config,
-        use,
-        prompt_tokens=len(prompt.tokens),
-        completion_tokens=len(encode_segments(reply_tail[:1])),
-        reasoning_tokens=len(encode_segments([turn.reasoning or ""])),
-    )
-    ttft = time_to_first_token(config, len(prompt.tokens), use.cached)
-    if ttft:
-        await asyncio.sleep(ttft)
+    accounting = Accounting.of_reply(config, use, prompt, reply_tail, turn.reasoning)
+    await wait_first_token(config, prompt, use)
     message = message_object(
         message_id="msg_" + uuid.uuid4().hex[:24],
         model=prompt.request["model"],

@@ -41,7 +41,7 @@ from typing import Any
 from aiohttp import web
 
 from .accounting import Accounting
-from .engine import CacheUse, keep_generated, prefill, time_to_first_token
+from .engine import keep_generated, prefill, wait_first_token
 from .events import response_events
 from .faults import drop_connection
 from .items import InputError, check_tools, input_items, to_messages
@@ -55,14 +55,14 @@ from .prompt import (
     load_json,
     off_loop,
 )
-from .render import encode_segments, reply_segments
+from .render import reply_segments
 from .response_store import (
     ItemNotFound,
     PreviousResponseNotFound,
     StoredResponse,
     resolve_input,
 )
-from .script import Turn, plan_turn
+from .script import plan_turn
 from .state import MODEL_ID, SIM_STATE, ReceivedRequest, SimConfig, SimState
 from .steering import Steering
 from .wire import error_response, fault_response, json_response, write_events
@@ -170,10 +170,8 @@ async def _answer(
         tool_calls=steering.tool_calls,
     )
     reply_tail = reply_segments(turn.message())
-    accounting = _accounting(state.config, prompt, use, turn, reply_tail[:1])
-    ttft = time_to_first_token(state.config, len(prompt.tokens), use.cached)
-    if ttft:
-        await asyncio.sleep(ttft)
+    accounting = Accounting.of_reply(state.config, use, prompt, reply_tail, turn.reasoning)
+    await wait_first_token(state.config, prompt, use)
     parsed = prompt.request
     outputs = output_items(turn, parsed.get("include"))
     model = parsed.get("model")
@@ -245,17 +243,3 @@ class _Header:
         if self.diagnostics is not None and status == "completed":
             response["prompt_cache_diagnostics"] = dict(self.diagnostics)
         return response
-
-
-def _accounting(
-    config: SimConfig, prompt: Prompt, use: CacheUse, turn: Turn, body: Sequence[Any]
-) -> Accounting:
-    # Output tokens: the generated body as it renders (reasoning, text, calls),
-    # counted as the chat endpoint counts a reply.
-    return Accounting.of(
-        config,
-        use,
-        prompt_tokens=len(prompt.tokens),
-        completion_tokens=len(encode_segments(body)),
-        reasoning_tokens=len(encode_segments([turn.reasoning or ""])),
-    )

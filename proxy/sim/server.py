@@ -41,12 +41,12 @@ import orjson
 from aiohttp import web
 
 from .accounting import Accounting
-from .engine import keep_generated, prefill, time_to_first_token
+from .engine import keep_generated, prefill, wait_first_token
 from .faults import FAULT_HEADER, Faults, drop_connection
 from .items import InputError
 from .messages import count_tokens, create_message
 from .prompt import InvalidJSON, Prompt, build_prompt, load_json, off_loop
-from .render import encode_segments, get_encoding, reply_segments
+from .render import get_encoding, reply_segments
 from .replies import Reply, make_reply, reply_deltas
 from .responses import create_response, retrieve_response
 from .state import (
@@ -167,16 +167,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         reasoning=steering.reasoning,
     )
     reply_tail = reply_segments(reply.message())
-    accounting = Accounting.of(
-        config,
-        use,
-        prompt_tokens=len(prompt.tokens),
-        completion_tokens=len(encode_segments(reply_tail[:1])),
-        reasoning_tokens=len(encode_segments([reply.reasoning_content or ""])),
-    )
-    ttft = time_to_first_token(config, len(prompt.tokens), use.cached)
-    if ttft:
-        await asyncio.sleep(ttft)
+    accounting = Accounting.of_reply(config, use, prompt, reply_tail, reply.reasoning_content)
+    await wait_first_token(config, prompt, use)
 
     exchange = _ChatExchange(
         config, "chatcmpl-" + uuid.uuid4().hex[:24], _model(prompt), reply, accounting

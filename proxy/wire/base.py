@@ -16,8 +16,8 @@ turn before this one is in the store.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Final, Protocol
 
 import orjson
@@ -26,10 +26,11 @@ from ..core.breakpoints import Marks
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
 from ..core.model import NodeReader
-from ..core.plan import TurnPlan
+from ..core.plan import PlannedView, TurnPlan, plan_turn
 from ..core.policy import Policy
 from ..core.prefix import Recalled
 from ..core.record import Reply
+from ..core.splice import Edit, Refusal, try_splice
 from ..core.sse import SSEEvent
 from ..core.usage import Usage
 from ..traits import UpstreamTraits
@@ -49,6 +50,8 @@ __all__ = [
     "Wire",
     "body_json",
     "json_post",
+    "json_turn",
+    "plan_on_view",
 ]
 
 
@@ -207,6 +210,47 @@ def json_post(method: str, path: str, suffix: str, raw: bytes) -> dict[str, Any]
     except orjson.JSONDecodeError:
         return None
     return body if type(body) is dict else None
+
+
+def json_turn(method: str, path: str, suffix: str, raw: bytes, array: str) -> dict[str, Any] | None:
+    """:func:`json_post`'s body when its ``array`` member is a list (a turn of a messages-shaped
+    API: chat, Anthropic's Messages); else None (forwarded untouched)."""
+    body = json_post(method, path, suffix, raw)
+    return body if body is not None and type(body.get(array)) is list else None
+
+
+def plan_on_view(
+    raw: bytes,
+    chat: Mapping[str, Any],
+    view: PlannedView,
+    root: bytes,
+    reader: NodeReader,
+    policy: Policy,
+    memo: IdentityMemo | None,
+    guard: Guard,
+    recalled: Recalled | None,
+    client_edits: Callable[[Sequence[Edit]], list[Edit] | None],
+) -> TurnPlan:
+    """A turn planned on ``chat``, the chat-shaped body of the client's ``view``; a repair is
+    mapped onto the client's own elements (``client_edits``: the view's edits as edits of the
+    client's body, None when one has no place there) and spliced into the client's bytes;
+    ``recalled``: how the body was rebuilt from the tenant's previous one.
+
+    Where the repair cannot be spliced (or mapping it fails) the request is planned again without
+    repair, forwarded as sent and recorded as sent, ``refused`` saying why."""
+    known = recalled.known_view(view.reused) if recalled is not None and view.reused else None
+    plan = plan_turn(chat, root, reader, policy, memo, guard, known=known)
+    if not plan.repair.repairs:
+        return plan.with_view(view)
+    spliced: bytes | Refusal = Refusal(reason="invalid_edit", path=())
+    with guard("repair"):
+        edits = client_edits(plan.repair.edits)
+        if edits:
+            spliced = try_splice(raw, edits)
+    if isinstance(spliced, Refusal):
+        unrepaired = plan_turn(chat, root, reader, replace(policy, repair=False), memo, guard)
+        return replace(unrepaired, refused=spliced.reason, view=view)
+    return replace(plan, spliced=spliced, view=view)
 
 
 class Untouched:

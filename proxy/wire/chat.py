@@ -36,7 +36,7 @@ from ..core.splice import Replace as SetValue
 from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
 from ..traits import UpstreamTraits
-from .base import HIDE, KEEP, BodyBuffer, Outgoing, Replace, Verdict, body_json, json_post
+from .base import HIDE, KEEP, BodyBuffer, Outgoing, Replace, Verdict, body_json, json_turn
 from .cache_marks import ChatElements, with_breakpoints
 
 __all__ = ["DONE", "ChatObserver", "ChatWire", "Outgoing", "without_null_usage"]
@@ -56,8 +56,7 @@ class ChatWire:
 
     def parse(self, method: str, path: str, raw: bytes) -> dict[str, Any] | None:
         """The request body when this is a chat turn kvwarm understands; else None (forwarded untouched)."""
-        body = json_post(method, path, PATH_SUFFIX, raw)
-        return body if body is not None and type(body.get("messages")) is list else None
+        return json_turn(method, path, PATH_SUFFIX, raw, "messages")
 
     def plan(
         self,

@@ -33,7 +33,6 @@ with their 5-minute / hour split).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any, Final
 
 import orjson
@@ -41,16 +40,16 @@ import orjson
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
 from ..core.model import NodeReader
-from ..core.plan import TurnPlan, plan_turn
+from ..core.plan import TurnPlan
 from ..core.policy import Policy
 from ..core.prefix import Recalled
 from ..core.record import Reply
 from ..core.repair import NO_REPAIR
-from ..core.splice import Refusal, skip_space, try_splice
+from ..core.splice import skip_space
 from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage
 from ..traits import UpstreamTraits
-from .base import KEEP, BodyBuffer, Outgoing, Verdict, body_json, json_post
+from .base import KEEP, BodyBuffer, Outgoing, Verdict, body_json, json_turn, plan_on_view
 from .json_spans import compact_json
 from .messages_edits import message_edits
 from .messages_view import (
@@ -77,8 +76,7 @@ class MessagesWire:
     """The array a client re-sends every turn (:mod:`proxy.core.prefix`)."""
 
     def parse(self, method: str, path: str, raw: bytes) -> dict[str, Any] | None:
-        body = json_post(method, path, PATH_SUFFIX, raw)
-        return body if body is not None and type(body.get("messages")) is list else None
+        return json_turn(method, path, PATH_SUFFIX, raw, "messages")
 
     def plan(
         self,
@@ -101,20 +99,9 @@ class MessagesWire:
         chat: dict[str, Any] = {"messages": view.messages}
         if "tools" in body:
             chat["tools"] = body["tools"]
-        known = recalled.known_view(view.reused) if recalled is not None and view.reused else None
-        plan = plan_turn(chat, root, reader, policy, memo, guard, known=known)
-        if not plan.repair.repairs:
-            return plan.with_view(view)
-        spliced: bytes | Refusal = Refusal(reason="invalid_edit", path=())
-        with guard("repair"):
-            edits = message_edits(body, view, plan.repair.edits)
-            if edits:
-                spliced = try_splice(raw, edits)
-        if isinstance(spliced, Refusal):
-            # Forwarded as sent, and recorded as sent.
-            unrepaired = plan_turn(chat, root, reader, replace(policy, repair=False), memo, guard)
-            return replace(unrepaired, refused=spliced.reason, view=view)
-        return replace(plan, spliced=spliced, view=view)
+        return plan_on_view(
+            raw, chat, view, root, reader, policy, memo, guard, recalled, lambda edits: message_edits(body, view, edits)
+        )
 
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing:
         """The client's bytes, with the repair spliced in: every other byte as the client sent it."""

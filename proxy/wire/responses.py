@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -70,7 +70,7 @@ import orjson
 from ..core.guard import Guard
 from ..core.identity import IdentityMemo
 from ..core.model import NodeReader
-from ..core.plan import TurnPlan, plan_turn
+from ..core.plan import TurnPlan
 from ..core.policy import Policy
 from ..core.prefix import Recalled
 from ..core.provider_misses import CacheVerdict, openai_verdict
@@ -80,7 +80,7 @@ from ..core.splice import Edit, Insert, Refusal, Reorder, Replace, try_splice
 from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage
 from ..traits import UpstreamTraits
-from .base import KEEP, BodyBuffer, Outgoing, Verdict, body_json, json_post
+from .base import KEEP, BodyBuffer, Outgoing, Verdict, body_json, json_post, plan_on_view
 from .cache_marks import ResponsesElements, item_positions, with_breakpoints
 
 __all__ = ["ResponsesObserver", "ResponsesWire", "item_edits", "items_view", "with_comparison"]
@@ -306,22 +306,11 @@ class ResponsesWire:
                 root=root, match=None, repair=NO_REPAIR, brk=None, forwarded=chat, messages=len(chat["messages"])
             )
         chat, view = _chat_body(body, recalled)
-        known = recalled.known_view(view.reused) if recalled is not None and view.reused else None
         # Planned on the view (its bytes are not the client's); the repair is then mapped onto
         # the client's items and spliced into the client's bytes.
-        plan = plan_turn(chat, root, reader, policy, memo, guard, known=known)
-        if not plan.repair.repairs:
-            return plan.with_view(view)
-        spliced: bytes | Refusal = Refusal(reason="invalid_edit", path=())
-        with guard("repair"):
-            edits = item_edits(body, view, plan.repair.edits)
-            if edits:
-                spliced = try_splice(raw, edits)
-        if isinstance(spliced, Refusal):
-            # Forwarded as sent, and recorded as sent.
-            unrepaired = plan_turn(chat, root, reader, replace(policy, repair=False), memo, guard)
-            return replace(unrepaired, refused=spliced.reason, view=view)
-        return replace(plan, spliced=spliced, view=view)
+        return plan_on_view(
+            raw, chat, view, root, reader, policy, memo, guard, recalled, lambda edits: item_edits(body, view, edits)
+        )
 
     def outgoing(self, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, traits: UpstreamTraits) -> Outgoing:
         """The client's bytes, with the repair spliced in and kvwarm's cache markers

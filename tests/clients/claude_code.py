@@ -13,18 +13,14 @@ It is a coroutine so that the servers it talks to can run on the caller's event 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import os
-import shutil
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.clients.codex import clients_dir
+from tests.clients.codex import find_launcher, home_env, run_bounded
 
 CLAUDE_VERSION = "2.1.332"
 """The version ``.ci/install/claude.sh`` pins."""
@@ -33,12 +29,8 @@ THROWAWAY_KEY = "sk-test"
 
 
 def find_claude() -> Path | None:
-    """The ``claude`` launcher: the cache directory's first, then ``PATH``'s; ``None`` when absent."""
-    cached = clients_dir() / "node_modules" / ".bin" / "claude"
-    if cached.is_file() and os.access(cached, os.X_OK):
-        return cached
-    found = shutil.which("claude")
-    return Path(found) if found else None
+    """The ``claude`` launcher (:func:`~tests.clients.codex.find_launcher`)."""
+    return find_launcher("claude")
 
 
 @dataclass(frozen=True)
@@ -73,22 +65,13 @@ class ClaudeRun:
 def claude_env(home: Path, base_url: str) -> dict[str, str]:
     """A minimal environment: nothing of the caller's keys, config or home leaks in."""
     return {
-        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-        "HOME": str(home),
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_DATA_HOME": str(home / ".local" / "share"),
-        "XDG_STATE_HOME": str(home / ".local" / "state"),
-        "TMPDIR": str(home / "tmp"),
+        **home_env(home),
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_API_KEY": THROWAWAY_KEY,
         "DISABLE_TELEMETRY": "1",
         "DISABLE_AUTOUPDATER": "1",
         "DISABLE_ERROR_REPORTING": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "LANG": "C.UTF-8",
-        "NO_COLOR": "1",
-        "TERM": "dumb",
     }
 
 
@@ -113,29 +96,7 @@ async def run_claude(
         *extra_args, "--", prompt,
     ]
     started = time.monotonic()
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        cwd=str(workdir),
-        env=claude_env(home, base_url),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,  # its own process group: a timeout kills whatever it started
-    )
-    returncode: int | None
-    try:
-        out, err = await asyncio.wait_for(process.communicate(), timeout)
-        returncode = process.returncode
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        out, err = await process.communicate()
-        returncode = None
-    finally:
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
+    returncode, out, err = await run_bounded(argv, cwd=workdir, env=claude_env(home, base_url), timeout=timeout)
     return ClaudeRun(
         argv=argv,
         returncode=returncode,

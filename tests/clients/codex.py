@@ -44,13 +44,72 @@ def clients_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "kvwarm-clients"
 
 
-def find_codex() -> Path | None:
-    """The ``codex`` launcher: the cache directory's first, then ``PATH``'s; ``None`` when absent."""
-    cached = clients_dir() / "node_modules" / ".bin" / "codex"
+def find_launcher(name: str) -> Path | None:
+    """The npm client launcher ``name``: the cache directory's first, then ``PATH``'s; ``None`` when absent."""
+    cached = clients_dir() / "node_modules" / ".bin" / name
     if cached.is_file() and os.access(cached, os.X_OK):
         return cached
-    found = shutil.which("codex")
+    found = shutil.which(name)
     return Path(found) if found else None
+
+
+def find_codex() -> Path | None:
+    """The ``codex`` launcher (:func:`find_launcher`)."""
+    return find_launcher("codex")
+
+
+def home_env(home: Path) -> dict[str, str]:
+    """The part of a client's minimal environment that every client shares: ``PATH``, ``home`` as
+    its HOME and XDG directories, a C.UTF-8 locale, no colour; nothing of the caller's keys,
+    config or home leaks in."""
+    return {
+        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+        "XDG_STATE_HOME": str(home / ".local" / "state"),
+        "TMPDIR": str(home / "tmp"),
+        "LANG": "C.UTF-8",
+        "NO_COLOR": "1",
+        "TERM": "dumb",
+    }
+
+
+async def run_bounded(
+    argv: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str],
+    timeout: float,  # noqa: ASYNC109 - bounds a subprocess, which is killed at the deadline
+) -> tuple[int | None, bytes, bytes]:
+    """Run ``argv`` to its end or to ``timeout``: its exit code (``None`` when it was killed at the
+    timeout), stdout and stderr. It runs in its own process group, so that a timeout kills the
+    launcher and whatever it started; it never outlives this call."""
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=str(cwd),
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    returncode: int | None
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), timeout)
+        returncode = process.returncode
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        out, err = await process.communicate()
+        returncode = None
+    finally:
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+    return returncode, out, err
 
 
 @dataclass(frozen=True)
@@ -98,22 +157,12 @@ def provider_flags(base_url: str) -> list[str]:
 
 def codex_env(home: Path, codex_home: Path) -> dict[str, str]:
     """A minimal environment: nothing of the caller's keys, config or home leaks in."""
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-        "HOME": str(home),
+    return {
+        **home_env(home),
         "CODEX_HOME": str(codex_home),
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_DATA_HOME": str(home / ".local" / "share"),
-        "XDG_STATE_HOME": str(home / ".local" / "state"),
-        "TMPDIR": str(home / "tmp"),
         "OPENAI_API_KEY": THROWAWAY_KEY,
-        "LANG": "C.UTF-8",
-        "NO_COLOR": "1",
-        "TERM": "dumb",
         "RUST_LOG": os.environ.get("KVWARM_CODEX_RUST_LOG", "error"),
     }
-    return env
 
 
 async def run_codex(
@@ -151,29 +200,7 @@ async def run_codex(
             argv += ["-m", model]
         argv += [*extra_args, prompt]
         started = time.monotonic()
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=str(workdir),
-            env=codex_env(home, codex_home),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # its own process group: a timeout kills the launcher and the binary
-        )
-        returncode: int | None
-        try:
-            out, err = await asyncio.wait_for(process.communicate(), timeout)
-            returncode = process.returncode
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            out, err = await process.communicate()
-            returncode = None
-        finally:
-            if process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
+        returncode, out, err = await run_bounded(argv, cwd=workdir, env=codex_env(home, codex_home), timeout=timeout)
         stdout = out.decode("utf-8", "replace")
         last = _read_if_present(last_message_file)
         return CodexRun(

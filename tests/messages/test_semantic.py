@@ -20,10 +20,16 @@ from tests.messages.agents import MODEL, MessagesAgent, post_messages, prefix_of
 from tests.messages.conftest import Clients
 
 
-async def agent_after(clients: Clients, kvwarm: TestServer, turns: int, **options: Any) -> MessagesAgent:
+async def request_after(
+    make_sim: Any, make_proxy: ProxyFactory, clients: Clients, turns: int, **options: Any
+) -> tuple[TestServer, TestServer, MessagesAgent, dict[str, Any]]:
+    """The emulator (vLLM mode), kvwarm in front of it, an agent that ran ``turns`` unstreamed
+    turns through them, and its next request."""
+    sim = await make_sim(cache_mode="vllm")
+    kvwarm = await make_proxy(sim)
     agent = MessagesAgent(clients(kvwarm), stream=False, **options)
     await agent.run(turns)
-    return agent
+    return sim, kvwarm, agent, agent.next_request()
 
 
 async def send_as_is(kvwarm: TestServer, sim: TestServer, body: dict[str, Any]) -> dict[str, str]:
@@ -37,10 +43,7 @@ async def send_as_is(kvwarm: TestServer, sim: TestServer, body: dict[str, Any]) 
 async def test_an_edited_user_text_breaks_and_is_forwarded_as_sent(
     make_sim: Any, make_proxy: ProxyFactory, clients: Clients
 ) -> None:
-    sim = await make_sim(cache_mode="vllm")
-    kvwarm = await make_proxy(sim)
-    agent = await agent_after(clients, kvwarm, 3)
-    body = agent.next_request()
+    sim, kvwarm, _, body = await request_after(make_sim, make_proxy, clients, 3)
     body["messages"][0]["content"] = body["messages"][0]["content"].replace("cache key", "cache KEY")
     prefix = await send_as_is(kvwarm, sim, body)
     assert prefix["break"] == "content_changed@1"  # view element 1: the first message (0 is the system)
@@ -50,10 +53,7 @@ async def test_an_edited_user_text_breaks_and_is_forwarded_as_sent(
 async def test_a_dropped_thinking_block_breaks_and_is_not_re_added(
     make_sim: Any, make_proxy: ProxyFactory, clients: Clients
 ) -> None:
-    sim = await make_sim(cache_mode="vllm")
-    kvwarm = await make_proxy(sim)
-    agent = await agent_after(clients, kvwarm, 2, thinking=True)
-    body = agent.next_request()
+    sim, kvwarm, _, body = await request_after(make_sim, make_proxy, clients, 2, thinking=True)
     first = body["messages"][1]
     assert [b["type"] for b in first["content"]] == ["thinking", "tool_use"]
     first["content"] = first["content"][1:]
@@ -66,10 +66,7 @@ async def test_a_dropped_thinking_block_breaks_and_is_not_re_added(
 async def test_a_changed_signature_breaks_and_is_not_restored(
     make_sim: Any, make_proxy: ProxyFactory, clients: Clients
 ) -> None:
-    sim = await make_sim(cache_mode="vllm")
-    kvwarm = await make_proxy(sim)
-    agent = await agent_after(clients, kvwarm, 2, thinking=True)
-    body = agent.next_request()
+    sim, kvwarm, _, body = await request_after(make_sim, make_proxy, clients, 2, thinking=True)
     body["messages"][1]["content"][0]["signature"] = "c2lnbmVkIGVsc2V3aGVyZQ=="  # a foreign one: accepted
     prefix = await send_as_is(kvwarm, sim, body)
     assert prefix["break"] == "reasoning_changed@2"
@@ -92,10 +89,7 @@ async def test_thinking_blocks_echoed_as_generated_match(
 async def test_a_changed_tool_input_is_the_clients_to_make(
     make_sim: Any, make_proxy: ProxyFactory, clients: Clients
 ) -> None:
-    sim = await make_sim(cache_mode="vllm")
-    kvwarm = await make_proxy(sim)
-    agent = await agent_after(clients, kvwarm, 3)
-    body = agent.next_request()
+    sim, kvwarm, _, body = await request_after(make_sim, make_proxy, clients, 3)
     use = body["messages"][1]["content"][0]
     assert use["type"] == "tool_use"
     use["input"] = {**use["input"], "encoding": "latin-1"}
@@ -143,10 +137,7 @@ async def test_inputs_compare_as_their_text_says(make_sim: Any, make_proxy: Prox
 async def test_a_pretty_printing_client_needs_no_repair(
     make_sim: Any, make_proxy: ProxyFactory, clients: Clients
 ) -> None:
-    sim = await make_sim(cache_mode="vllm")
-    kvwarm = await make_proxy(sim)
-    agent = await agent_after(clients, kvwarm, 3)
-    body = agent.next_request()
+    sim, kvwarm, agent, body = await request_after(make_sim, make_proxy, clients, 3)
     inputs = [b["input"] for m in body["messages"] if m["role"] == "assistant" for b in m["content"] if b["type"] == "tool_use"]
     assert any(not json.dumps(value).isascii() or "\\u" in json.dumps(value) for value in inputs)  # non-ASCII to escape
     pretty = json.dumps(body, indent=1).encode()  # spaced, every non-ASCII character escaped

@@ -31,11 +31,9 @@ from proxy.core.guard import STRICT
 from proxy.core.match import tenant_root
 from proxy.core.plan import TurnPlan, turn_write
 from proxy.core.policy import Policy
-from proxy.core.prefix import PrefixMemo
 from proxy.wire.messages import MessagesObserver, MessagesWire
 from tests.messages.agents import SAFE_DRIFTS, SYSTEM, TOOLS, Drift, Messages, Tools
-from tests.perf.test_tail_plan import Planner as ChatPlanner
-from tests.perf.test_tail_plan import same_plan
+from tests.perf.test_tail_plan import ViewPlanner, same_plan
 
 WIRE = MessagesWire()
 
@@ -69,33 +67,11 @@ SERIALIZERS: dict[str, Callable[[Any], bytes]] = {
 }
 
 
-class Planner(ChatPlanner):
+class Planner(ViewPlanner):
     """One planner of the comparison, planning Messages bodies."""
 
-    def __init__(self, tail: bool, secret: bytes, policy: Policy) -> None:
-        super().__init__(tail, secret, policy)
-        self.reused = 0
-
-    def plan(self, raw: bytes, root: bytes) -> tuple[dict[str, Any], TurnPlan]:
-        scope = ("scope", root)
-        recalled = self.resent.recall(scope, raw) if self.resent is not None else None
-        body = recalled.body if recalled is not None else orjson.loads(raw)
-        plan = WIRE.plan(raw, body, root, self.store.view(root), self.policy, self.memo, STRICT, recalled)
-        self.planned += 1
-        self.recalled += recalled is not None
-        # Continuable: the members before the messages and the first message are a recent request's.
-        head = orjson.dumps([list(itertools.takewhile(lambda kv: kv[0] != "messages", body.items())), body["messages"][0]])
-        self.continuable += head in self._heads[-PrefixMemo.MAX_BODIES :]
-        self._heads.append(head)
-        assert plan.view is not None
-        if plan.view.reused:
-            assert recalled is not None
-            source = recalled.source.messages
-            assert all(a is b for a, b in zip(plan.view.messages[: plan.view.reused], source, strict=False))
-            self.reused += 1
-        if self.resent is not None:
-            self.resent.remember_plan(scope, raw, body, plan, recalled, array=WIRE.resends or "")
-        return body, plan
+    wire = WIRE
+    array = "messages"
 
     def record(self, plan: TurnPlan, reply: dict[str, Any]) -> None:  # type: ignore[override]
         observer = MessagesObserver(STRICT, success=True)

@@ -34,11 +34,10 @@ from proxy.core.guard import STRICT
 from proxy.core.match import tenant_root
 from proxy.core.plan import TurnPlan, turn_write
 from proxy.core.policy import Policy
-from proxy.core.prefix import PrefixMemo
+from proxy.core.prefix import Recalled
 from proxy.wire.responses import ResponsesObserver, ResponsesWire
 from tests.perf.test_tail_plan import SERIALIZERS as CHAT_SERIALIZERS
-from tests.perf.test_tail_plan import Planner as ChatPlanner
-from tests.perf.test_tail_plan import message_dropped, same_plan
+from tests.perf.test_tail_plan import ViewPlanner, message_dropped, same_plan
 from tests.responses.agents import SAFE_DRIFTS, Items, ResponsesAgent, Tools
 
 Drift = Callable[[Items, Tools, int], tuple[Items, Tools]]
@@ -85,42 +84,25 @@ SERIALIZERS: dict[str, Callable[[Any], bytes]] = {
 }
 
 
-class Planner(ChatPlanner):
+class Planner(ViewPlanner):
     """One planner of the comparison (the chat test's: its own store, identity memo and, for the
-    tail path, prefix memo), planning Responses bodies."""
+    tail path, prefix memo), planning Responses bodies. A body's head: the members before the
+    items (the instructions, unless they come after) and the first item."""
+
+    wire = WIRE
+    array = "input"
 
     def __init__(self, tail: bool, secret: bytes, policy: Policy) -> None:
         super().__init__(tail, secret, policy)
-        self.reused = 0
-        """Plans whose view begins with messages of the previous view (the very objects)."""
         self.taken = 0
         """Plans whose view holds messages of the previous view (the very objects), anywhere."""
 
-    def plan(self, raw: bytes, root: bytes) -> tuple[dict[str, Any], TurnPlan]:
-        scope = ("scope", root)
-        recalled = self.resent.recall(scope, raw) if self.resent is not None else None
-        body = recalled.body if recalled is not None else orjson.loads(raw)
-        plan = WIRE.plan(raw, body, root, self.store.view(root), self.policy, self.memo, STRICT, recalled)
-        self.planned += 1
-        self.recalled += recalled is not None
-        # Continuable: the members before the items (the instructions, unless they come after) and
-        # the first item are a recent request's: the tail path needs one shared item.
-        head = orjson.dumps([list(itertools.takewhile(lambda kv: kv[0] != "input", body.items())), body["input"][0]])
-        self.continuable += head in self._heads[-PrefixMemo.MAX_BODIES :]
-        self._heads.append(head)
-        assert plan.view is not None
-        if plan.view.reused:
-            assert recalled is not None
-            source = recalled.source.messages
-            assert all(a is b for a, b in zip(plan.view.messages[: plan.view.reused], source, strict=False))
-            self.reused += 1
+    def counted(self, plan: TurnPlan, recalled: Recalled | None) -> None:
         if recalled is not None:
+            assert plan.view is not None
             before = {id(m) for m in recalled.source.messages}
             self.taken += any(id(m) in before for m in plan.view.messages)
         self.known += plan.match is not None and plan.match.clean > 0
-        if self.resent is not None:
-            self.resent.remember_plan(scope, raw, body, plan, recalled, array=WIRE.resends or "")
-        return body, plan
 
     def record(self, plan: TurnPlan, output: list[dict[str, Any]]) -> None:  # type: ignore[override]
         observer = ResponsesObserver(STRICT, success=True)

@@ -28,14 +28,16 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxy.core.guard import STRICT
 from proxy.core.identity import IdentityMemo
 from proxy.core.match import tenant_root
 from proxy.core.plan import TurnPlan, plan_turn, turn_write
 from proxy.core.policy import Policy
-from proxy.core.prefix import PrefixMemo
+from proxy.core.prefix import PrefixMemo, Recalled
 from proxy.core.record import Reply
 from proxy.store.local import LocalStore
 from proxy.store.memory import MemoryStore
+from proxy.wire.base import Wire
 from tests.agents import SAFE_DRIFTS, Agent, Drift
 
 Msgs = list[dict[str, Any]]
@@ -141,6 +143,47 @@ class Planner:
         turn = turn_write(plan, Reply(message=reply, finish_reason="stop", partial=False, model="m"), None, None, model="m", client_gone=False, now=1.0, memo=memo)
         if turn is not None:
             self.store.write_turn_now(turn)
+
+
+class ViewPlanner(Planner):
+    """A planner of a wire API that plans on a view of the client's re-sent array (Messages,
+    Responses): the wire's own ``plan``, and the view's reuse of the previous view checked."""
+
+    wire: Wire
+    array: str
+    """The re-sent array; the members before it and its first element make a body's head."""
+
+    def __init__(self, tail: bool, secret: bytes, policy: Policy) -> None:
+        super().__init__(tail, secret, policy)
+        self.reused = 0
+        """Plans whose view begins with messages of the previous view (the very objects)."""
+
+    def plan(self, raw: bytes, root: bytes) -> tuple[dict[str, Any], TurnPlan]:
+        scope = ("scope", root)
+        recalled = self.resent.recall(scope, raw) if self.resent is not None else None
+        body = recalled.body if recalled is not None else orjson.loads(raw)
+        plan = self.wire.plan(raw, body, root, self.store.view(root), self.policy, self.memo, STRICT, recalled)
+        self.planned += 1
+        self.recalled += recalled is not None
+        # Continuable: the members before the array and its first element are a recent request's:
+        # the tail path needs one shared element.
+        array = self.array
+        head = orjson.dumps([list(itertools.takewhile(lambda kv: kv[0] != array, body.items())), body[array][0]])
+        self.continuable += head in self._heads[-PrefixMemo.MAX_BODIES :]
+        self._heads.append(head)
+        assert plan.view is not None
+        if plan.view.reused:
+            assert recalled is not None
+            source = recalled.source.messages
+            assert all(a is b for a, b in zip(plan.view.messages[: plan.view.reused], source, strict=False))
+            self.reused += 1
+        self.counted(plan, recalled)
+        if self.resent is not None:
+            self.resent.remember_plan(scope, raw, body, plan, recalled, array=self.wire.resends or "")
+        return body, plan
+
+    def counted(self, plan: TurnPlan, recalled: Recalled | None) -> None:
+        """More counts of a plan, where a test keeps them."""
 
 
 def same_plan(tail: TurnPlan, full: TurnPlan) -> None:
