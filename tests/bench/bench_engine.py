@@ -12,6 +12,10 @@ prefill for everyone):
 - tokens the engine had to prefill (``timings.prompt_n``);
 - time to first token, p50.
 
+The same for the Messages agents of :mod:`tests.engine.workload` on llama.cpp's own
+``/v1/messages`` (no drift, tools reordered, ``tool_use`` input keys reordered), against
+the Messages agent without drift.
+
 The timestamp workload is the semantic control: kvwarm must leave it alone unless
 ``pin_patterns`` is set (the last row, a kvwarm started with a pin for the timestamp).
 
@@ -40,7 +44,15 @@ import aiohttp
 
 from tests.agents import args_keys_reordered, no_drift, tools_reordered
 from tests.engine.engine import engine_available, free_port, reset_slot, run_engine
-from tests.engine.workload import SEED_HISTORY, WORKLOADS, Run, Workload, run_workload
+from tests.engine.workload import (
+    MESSAGES_WORKLOADS,
+    SEED_HISTORY,
+    WORKLOADS,
+    Run,
+    Workload,
+    run_messages_workload,
+    run_workload,
+)
 
 ROUTING_SLOTS = 2
 """Slots per replica in the routing run: room for the sessions ``prefix`` homes there, not for all four."""
@@ -100,7 +112,12 @@ async def routing_bench(turns: int) -> str:
                 for slot in range(ROUTING_SLOTS):
                     reset_slot(engine, slot)
             port = free_port()
-            proc = _kvwarm([a, b], port, False, KVWARM_ROUTING_POLICY=policy)
+            # Engines of two slots each: a session leaves a home holding one more request than
+            # the least loaded (the default threshold, 32, is for engines that batch dozens).
+            proc = _kvwarm(
+                [a, b], port, False, KVWARM_ROUTING_POLICY=policy,
+                KVWARM_ROUTING_BALANCE_ABS_THRESHOLD=str(ROUTING_SLOTS - 1),
+            )
             try:
                 await _wait(f"http://127.0.0.1:{port}/readyz", proc)
                 url = f"http://127.0.0.1:{port}/v1"
@@ -138,27 +155,65 @@ async def routing_bench(turns: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def bench(turns: int) -> str:
+async def _chat_runs(engine: str, port: int, pin_port: int, turns: int) -> list[Run]:
+    """Every chat workload direct and through kvwarm, then the timestamp agent through the pinning kvwarm."""
     rows: list[Run] = []
+    plan = [(w, via) for w in WORKLOADS for via in ("direct", "kvwarm")]
+    plan.append(("timestamp in system prompt", "kvwarm + pin_patterns"))
+    for i, (name, via) in enumerate(plan):
+        reset_slot(engine)
+        url = {"direct": engine, "kvwarm": f"http://127.0.0.1:{port}/v1"}.get(via, f"http://127.0.0.1:{pin_port}/v1")
+        rows.append(_printed(await run_workload(url, WORKLOADS[name], via, turns, key=f"sk-bench-{i}")))
+    return rows
+
+
+async def _messages_runs(engine: str, port: int, turns: int) -> list[Run]:
+    """Every Messages workload on llama.cpp's ``/v1/messages``, direct and through kvwarm."""
+    rows: list[Run] = []
+    plan = [(w, via) for w in MESSAGES_WORKLOADS for via in ("direct", "kvwarm")]
+    for i, (name, via) in enumerate(plan):
+        reset_slot(engine)
+        url = engine if via == "direct" else f"http://127.0.0.1:{port}/v1"
+        run = await run_messages_workload(url, MESSAGES_WORKLOADS[name], via, turns, key=f"sk-bench-messages-{i}")
+        rows.append(_printed(run))
+    return rows
+
+
+def _printed(run: Run) -> Run:
+    print(f"  {run.workload:32} {run.via:22} cached {run.cached:6d}  prefilled {run.prefilled:6d}  "
+          f"ttft p50 {run.ttft_p50:6.2f}s", flush=True)
+    return run
+
+
+def _table(rows: list[Run]) -> list[str]:
+    """The rows against their ideal: the cached tokens of the agent without drift, direct."""
+    ideal = next(r for r in rows if r.workload == "no drift" and r.via == "direct")
+    lines = [
+        "| agent | via | cached tokens | % of ideal | prefilled tokens | TTFT p50 |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r.workload} | {r.via} | {r.cached} | {100 * r.cached / ideal.cached:.1f} % | {r.prefilled} | {r.ttft_p50:.2f} s |"
+        for r in rows
+    ]
+    return lines
+
+
+async def bench(turns: int) -> str:
     with run_engine() as engine:
         port, pin_port = free_port(), free_port()
         plain, pinned = _kvwarm(engine, port, False), _kvwarm(engine, pin_port, True)
         try:
             await _wait(f"http://127.0.0.1:{port}/readyz", plain)
             await _wait(f"http://127.0.0.1:{pin_port}/readyz", pinned)
-            plan = [(w, via) for w in WORKLOADS for via in ("direct", "kvwarm")]
-            plan.append(("timestamp in system prompt", "kvwarm + pin_patterns"))
-            for i, (name, via) in enumerate(plan):
-                reset_slot(engine)
-                url = {"direct": engine, "kvwarm": f"http://127.0.0.1:{port}/v1"}.get(via, f"http://127.0.0.1:{pin_port}/v1")
-                run = await run_workload(url, WORKLOADS[name], via, turns, key=f"sk-bench-{i}")
-                print(f"  {name:32} {via:22} cached {run.cached:6d}  prefilled {run.prefilled:6d}  ttft p50 {run.ttft_p50:6.2f}s", flush=True)
-                rows.append(run)
+            chat = await _chat_runs(engine, port, pin_port, turns)
+            messages = await _messages_runs(engine, port, turns)
         finally:
             for proc in (plain, pinned):
                 proc.terminate()
                 proc.wait(timeout=10)
-    ideal = next(r for r in rows if r.workload == "no drift" and r.via == "direct")
+    ideal = next(r for r in chat if r.workload == "no drift" and r.via == "direct")
+    messages_ideal = next(r for r in messages if r.workload == "no drift" and r.via == "direct")
     lines = [
         "# kvwarm on a real engine (llama.cpp)",
         "",
@@ -168,18 +223,20 @@ async def bench(turns: int) -> str:
         f"- {turns} turns per agent, fresh slot per run, streaming, `max_tokens` 24, temperature 0; figures over turns 2..{turns}",
         f"- ideal = the cached tokens of the same agent without drift, direct ({ideal.cached} tokens)",
         "",
-        "| agent | via | cached tokens | % of ideal | prefilled tokens | TTFT p50 |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r.workload} | {r.via} | {r.cached} | {100 * r.cached / ideal.cached:.1f} % | {r.prefilled} | {r.ttft_p50:.2f} s |"
-        )
-    lines += [
+        *_table(chat),
         "",
         "The timestamp agent changes its system prompt every turn: that is a semantic change, so kvwarm "
         "forwards it as sent (and reports `system_changed`) unless the user opts into pinning it.",
         "Times are wall-clock on a shared 2-core machine; the token counts are the engine's own and do not depend on load.",
+        "",
+        "## Anthropic's Messages API (llama.cpp's `/v1/messages`)",
+        "",
+        "- the same agent, system prompt, tools and seed exchange as content blocks, on the same engine and kvwarm; "
+        "Anthropic's stream (TTFT at the first `content_block_delta`), cached tokens = the engine's "
+        "`cache_read_input_tokens`, prefilled = its `input_tokens`",
+        f"- ideal = the cached tokens of the Messages agent without drift, direct ({messages_ideal.cached} tokens)",
+        "",
+        *_table(messages),
     ]
     return "\n".join(lines) + "\n"
 

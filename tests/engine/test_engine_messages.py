@@ -3,25 +3,21 @@
 llama-server turns a Messages request into chat messages for its template (tools in the order
 sent) and reports Anthropic's usage (``input_tokens`` beside ``cache_read_input_tokens``), its
 slot's KV the only cache. An agent whose tools arrive in another order every turn, as a client
-iterating a map sends them, reuses through kvwarm what the same agent without drift reuses.
+iterating a map sends them, reuses through kvwarm what the same agent without drift reuses, and
+so waits less for its first token than when it sends the drift straight to the engine.
+Every turn streams (:func:`tests.engine.workload.messages_streaming_post`).
 Skipped unless ``make engine`` has built the engine.
 """
 
 from __future__ import annotations
 
-import copy
-import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
-import aiohttp
-import orjson
 import pytest
 
 from tests.conftest import ProxyFactory
 from tests.engine.engine import engine_available, reset_slot, run_engine
-from tests.engine.workload import QUESTIONS, SYSTEM
+from tests.engine.workload import MESSAGES_WORKLOADS, Run, run_messages_workload
 
 pytestmark = [
     pytest.mark.engine,
@@ -29,12 +25,6 @@ pytestmark = [
     pytest.mark.timeout(600),  # llama-server may take 120 s to start; prefill runs on the CPU
 ]
 TURNS = 4
-TOOLS: list[dict[str, Any]] = [
-    {"name": name, "description": f"{name.replace('_', ' ').capitalize()} in the repository.",
-     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
-                      "required": ["path"]}}
-    for name in ("read_file", "search", "write_file", "run_tests", "list_dir")
-]
 
 
 @pytest.fixture(scope="module")
@@ -43,50 +33,26 @@ def engine() -> Iterator[str]:
         yield base_url
 
 
-@dataclass
-class Run:
-    cached: list[int] = field(default_factory=list)
-    prefixes: list[str] = field(default_factory=list)
-
-
-def tools_for(turn: int, drift: bool) -> list[dict[str, Any]]:
-    tools = copy.deepcopy(TOOLS)
-    if drift and turn:
-        random.Random(turn).shuffle(tools)
-        if tools == TOOLS:
-            tools.reverse()
-    return tools
-
-
-async def run_agent(base_url: str, *, drift: bool) -> Run:
-    """``TURNS`` requests of one conversation (greedy decoding: the same prompt, the same reply)."""
-    run = Run()
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is the cache key computed?"}]
-    async with aiohttp.ClientSession() as session:
-        for turn in range(TURNS):
-            body = {"model": "smollm2", "max_tokens": 24, "temperature": 0, "system": SYSTEM,
-                    "tools": tools_for(turn, drift), "messages": messages}
-            headers = {"x-api-key": "sk-engine", "anthropic-version": "2023-06-01", "content-type": "application/json"}
-            async with session.post(f"{base_url}/messages", data=orjson.dumps(body), headers=headers) as response:
-                assert response.status == 200, await response.text()
-                answer = await response.json()
-                run.prefixes.append(response.headers.get("x-kvwarm-prefix", ""))
-            run.cached.append(answer["usage"].get("cache_read_input_tokens") or 0)
-            messages = [*messages, {"role": "assistant", "content": answer["content"]},
-                        {"role": "user", "content": QUESTIONS[turn % len(QUESTIONS)]}]
-    return run
+async def fresh_run(engine: str, name: str, via: str, make_proxy: ProxyFactory | None = None) -> Run:
+    reset_slot(engine)
+    url = engine
+    if make_proxy is not None:
+        proxy = await make_proxy(engine)
+        url = str(proxy.make_url("/v1"))
+    return await run_messages_workload(url, MESSAGES_WORKLOADS[name], via, TURNS)
 
 
 async def test_tools_reordered_gets_its_ideal_cache_through_kvwarm(engine: str, make_proxy: ProxyFactory) -> None:
-    reset_slot(engine)
-    ideal = await run_agent(engine, drift=False)
-    reset_slot(engine)
-    direct = await run_agent(engine, drift=True)
-    reset_slot(engine)
-    proxy = await make_proxy(engine)
-    warm = await run_agent(str(proxy.make_url("/v1")), drift=True)
-    assert sum(ideal.cached) > 0
-    assert sum(direct.cached) < 0.6 * sum(ideal.cached), "the drift must cost the engine its cache when sent directly"
-    assert sum(warm.cached) >= 0.99 * sum(ideal.cached)
-    for prefix in warm.prefixes[1:]:
+    ideal = await fresh_run(engine, "no drift", "direct")
+    direct = await fresh_run(engine, "tools reordered", "direct")
+    warm = await fresh_run(engine, "tools reordered", "kvwarm", make_proxy)
+    assert ideal.cached > 0
+    # Sent directly, only the system text above the tools is reused each turn.
+    assert direct.cached < 0.6 * ideal.cached, "the drift must cost the engine its cache when sent directly"
+    assert warm.cached >= 0.99 * ideal.cached
+    assert warm.prefilled < direct.prefilled
+    # Reused KV is prefill the engine skips: the first token comes sooner (the median of turns 2..N).
+    assert warm.ttft_p50 < direct.ttft_p50
+    for turn in warm.turns[1:]:
+        prefix = turn.headers.get("x-kvwarm-prefix", "")
         assert "break" not in prefix and "repaired=0" not in prefix, prefix
