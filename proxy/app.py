@@ -20,23 +20,23 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from . import __version__
-from .admin import add_admin_routes
 from .appkeys import ACTIVITY, HISTORY, METRICS, PIPELINE, PRICES, READY, REGISTRY, SETTINGS, STORE
 from .config import Settings
 from .core.pricing import PriceTable
-from .edge import body_arrived, check_path, read_body, send_and_close, shown_path
+from .edge.defences import body_arrived, check_path, read_body, send_and_close, shown_path
 from .errors import MetricsUnauthorized, ProxyError, error_body
 from .keepalive import KEEPALIVE_CLOCK, keepalive_ctx
 from .metrics import ProxyMetrics
-from .pipeline import Pipeline
+from .ops.admin import add_admin_routes
+from .request.pipeline import Pipeline
 from .routing import affinity_for
 from .store.base import AsyncStore, TranscriptStore
 from .store.factory import make_store
 from .store.local import LocalStore
+from .store.tokens import TokenCounter
 from .store.urls import redacted
-from .tokens import TokenCounter
-from .transport import Transport
-from .upstream import Upstream
+from .transport.client import Upstream
+from .transport.pool import Transport
 from .web.activity import Activity
 from .web.history import History
 from .web.routes import add_web_routes
@@ -59,7 +59,7 @@ def error_response(status: int, message: str, error_type: str, code: str) -> web
 async def edge_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Before any handler runs, the edge's checks (:mod:`proxy.edge`): the path, then the whole
+    """Before any handler runs, the edge's checks (:mod:`proxy.edge.defences`): the path, then the whole
     body within its size and time limits. A :class:`ProxyError`, a refusal of theirs or a
     handler's, becomes an OpenAI-shaped error. One middleware, not two: each costs every
     request a coroutine and a call through aiohttp's chain."""

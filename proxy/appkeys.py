@@ -20,7 +20,7 @@ from .web.activity import Activity
 from .web.history import History
 
 if TYPE_CHECKING:  # the pipeline imports the edge modules that import these keys
-    from .pipeline import Pipeline
+    from .request.pipeline import Pipeline
 
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", CollectorRegistry)

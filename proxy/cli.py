@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker processes serving the port, under a supervisor (overrides server.workers; "
         "more than 1 needs a Redis store; Linux)",
     )
-    # A worker of `serve --workers N`: its orders come from the supervisor on stdin (proxy.workers).
+    # A worker of `serve --workers N`: its orders come from the supervisor on stdin (proxy.ops.workers).
     serve.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=cmd_serve)
 
@@ -149,7 +149,7 @@ def settings_from(args: argparse.Namespace, **extra: Any) -> Settings:
 
 def configure_logging(level: str, *, pid: bool = False) -> None:
     """``pid``: each line names its process (a supervisor and its workers share one stderr)."""
-    from .edge import quiet_malformed_requests
+    from .edge.defences import quiet_malformed_requests
 
     logging.basicConfig(
         level=level.upper(),
@@ -176,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         },
     )
     if settings.server.workers > 1:
-        from .workers import Supervisor
+        from .ops.workers import Supervisor
 
         configure_logging(settings.log.level, pid=True)
         return Supervisor(settings).run()
@@ -188,9 +188,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_worker() -> int:
-    """One worker of ``serve --workers N``, started by :class:`proxy.workers.Supervisor`."""
+    """One worker of ``serve --workers N``, started by :class:`proxy.ops.workers.Supervisor`."""
     from .app import create_app
-    from .workers import WorkerOrders, serve_worker
+    from .ops.workers import WorkerOrders, serve_worker
 
     orders = WorkerOrders.decode(sys.stdin.buffer.read())
     configure_logging(orders.settings.log.level, pid=True)
@@ -222,7 +222,7 @@ def _run_until_signal(settings: Settings, serve: Callable[[], Coroutine[Any, Any
     from aiohttp.web_runner import GracefulExit
 
     _tune_gc()
-    # web.run_app, unrolled: its TCP site has no connection cap (proxy.edge.GuardedSite has).
+    # web.run_app, unrolled: its TCP site has no connection cap (proxy.edge.defences.GuardedSite has).
     loop = _new_loop(settings.server.uvloop)
     asyncio.set_event_loop(loop)
     main = loop.create_task(serve())
@@ -250,7 +250,7 @@ def _run_until_signal(settings: Settings, serve: Callable[[], Coroutine[Any, Any
 async def _serve(app: web.Application, settings: Settings) -> None:
     """Listen until SIGINT / SIGTERM (GracefulExit), then stop as ``web.run_app`` does: in-flight
     requests get ``server.shutdown_timeout`` seconds, then the app's resources close."""
-    from .edge import start_server
+    from .edge.defences import start_server
 
     runner, site = await start_server(app, settings, handle_signals=True)
     try:
@@ -306,7 +306,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 def _admin_command(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
-        from .inspect_cli import run as run_inspect
+        from .ops.inspect_cli import run as run_inspect
 
         settings = settings_from(args)
         configure_logging("WARNING")

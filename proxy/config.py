@@ -29,9 +29,9 @@ from urllib.parse import urlsplit
 from .core.breakpoints import SETTINGS as CACHE_BREAKPOINTS
 from .core.policy import Policy
 from .core.pricing import PriceTable
-from .egress import IDLE_CONNECTION_TIMEOUT, Proxy, check_tls_files
 from .errors import ConfigError, InvalidSetting
 from .store.urls import is_redis_url
+from .transport.egress import IDLE_CONNECTION_TIMEOUT, Proxy, check_tls_files
 
 SHIPPED_PRICES = ("defaults", "prices.toml")
 """The price table shipped as package data: its path inside the ``proxy`` package."""
@@ -108,7 +108,7 @@ class UpstreamSettings:
     ``cache_control`` on openrouter.ai for ``anthropic/`` and ``qwen/`` models and on DashScope
     hosts, ``off`` anywhere else."""
     provider_diagnostics: bool = False
-    """Ask the provider why a prompt missed its cache (proxy/diagnosis.py): kvwarm names the
+    """Ask the provider why a prompt missed its cache (proxy/request/diagnosis.py): kvwarm names the
     session's previous response as ``prompt_cache_options.comparison_response_id`` (Responses API)
     where the client named none, and counts the provider's verdict. Off: the client's bytes. Only
     for an upstream that takes the option (OpenAI's Responses API, GPT-5.6 and later)."""
@@ -135,7 +135,7 @@ class StoreSettings:
     backend: str = "sqlite:var/kvwarm.db"
     """``memory``, ``sqlite:PATH`` (relative to the working directory), or a shared Redis:
     ``redis://[:password@]host:port/db``, ``rediss://...``, ``unix:///path.sock?db=N``,
-    ``redis+cluster://host:port[,host:port...]`` (see proxy/store/redis.py)."""
+    ``redis+cluster://host:port[,host:port...]`` (see proxy/store/redis/store.py)."""
     ttl_seconds: float = 24 * 3600.0
     """A node unused for this long is evicted."""
     max_bytes: int = 512 * 1024 * 1024

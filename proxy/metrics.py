@@ -119,7 +119,7 @@ Repair and matching
   ``kvwarm_prefix_breaks_total{reason}``
       Requests that left the stored transcript, by diagnosed reason.
 
-Provider diagnostics (the provider's own verdict on a response's cache use, proxy/diagnosis.py)
+Provider diagnostics (the provider's own verdict on a response's cache use, proxy/request/diagnosis.py)
   ``kvwarm_provider_cache_diagnoses_total{verdict}``
       Responses that carried one: ``hit``, ``client_miss`` (the request differed from the
       compared one), ``provider_miss`` (it matched, and the provider had lost the prefix: TTL,

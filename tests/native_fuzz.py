@@ -21,10 +21,10 @@ from proxy.core.match import tenant_root
 from proxy.core.plan import turn_write
 from proxy.core.policy import Policy
 from proxy.core.prefix import PrefixMemo
-from proxy.failopen import FailOpen
+from proxy.request.failopen import FailOpen
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
-from proxy.traits import UpstreamTraits
+from proxy.store.memory.store import MemoryStore
+from proxy.transport.traits import UpstreamTraits
 from proxy.wire.chat import ChatWire
 
 SCALARS: list[Any] = ["", "hi", " padded \n", "\u00e9\u4e2d", 0, -1, 2**53, 1.5, True, False, None]

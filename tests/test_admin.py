@@ -19,11 +19,11 @@ from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
-from proxy.admin import decide_access, is_loopback
 from proxy.app import create_app
 from proxy.core import transcript_md
 from proxy.core.match import tenant_root
 from proxy.errors import AdminUnauthorized
+from proxy.ops.admin import decide_access, is_loopback
 from tests.agents import Agent
 from tests.conftest import ProxyFactory, poster, proxy_settings, sim_url, store_of
 

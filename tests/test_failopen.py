@@ -20,11 +20,11 @@ from proxy.core.guard import STRICT
 from proxy.core.model import Node
 from proxy.core.pricing import Price, PriceTable
 from proxy.errors import StoreError
-from proxy.failopen import FailOpen
 from proxy.metrics import ERROR_STAGES, ProxyMetrics
+from proxy.request.failopen import FailOpen
 from proxy.store.base import StoreView
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
+from proxy.store.memory.store import MemoryStore
 from proxy.wire.chat import ChatWire
 from tests.agents import Agent, args_keys_reordered
 from tests.conftest import ProxyFactory, metric, poster, proxy_settings, received, sim_url
@@ -158,7 +158,7 @@ def test_a_failure_is_logged_once_as_an_error_with_its_traceback(guard: FailOpen
         _explode()
     assert len(caplog.records) == 1
     (record,) = caplog.records
-    assert (record.name, record.levelno) == ("proxy.failopen", logging.ERROR)
+    assert (record.name, record.levelno) == ("proxy.request.failopen", logging.ERROR)
     assert "diagnose" in record.getMessage()
     assert record.exc_info is not None and isinstance(record.exc_info[1], LookupError)
     assert "Traceback (most recent call last)" in caplog.text
@@ -175,7 +175,7 @@ def test_a_store_that_is_down_is_one_warning_line_without_a_traceback(
     with guard("store"):
         raise exc
     (record,) = caplog.records
-    assert (record.name, record.levelno) == ("proxy.failopen", logging.WARNING)
+    assert (record.name, record.levelno) == ("proxy.request.failopen", logging.WARNING)
     assert record.exc_info is None and "Traceback" not in caplog.text
     assert "store failed: " + (str(exc) or "TimeoutError") in record.getMessage()
     assert guard.failed == ["store"] and errors(registry, "store") == 1.0
@@ -195,7 +195,7 @@ def test_a_failure_after_a_nested_stage_is_counted_under_the_outer_stage(registr
 
 def request_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
-        r.getMessage() for r in caplog.records if r.name == "proxy.pipeline" and r.levelno == logging.INFO
+        r.getMessage() for r in caplog.records if r.name == "proxy.request.pipeline" and r.levelno == logging.INFO
     ]
 
 
@@ -318,7 +318,7 @@ def assert_served_unchanged(turns: list[Any], sim: TestServer) -> None:
 async def test_a_failing_store_part_is_named_in_the_log_line(
     sim: TestServer, make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture, stage: str, broken: str
 ) -> None:
-    caplog.set_level(logging.INFO, logger="proxy.pipeline")
+    caplog.set_level(logging.INFO, logger="proxy.request.pipeline")
     proxy = await make_proxy(sim, store=BrokenStore(broken))
     turns = await run_agent(proxy)
     lines = request_lines(caplog)
@@ -341,7 +341,7 @@ async def test_a_failing_store_part_is_named_in_the_log_line(
 
 
 async def test_a_failing_price_lookup_is_named_usage(sim: TestServer, aiohttp_server: Any, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="proxy.pipeline")
+    caplog.set_level(logging.INFO, logger="proxy.request.pipeline")
     app = create_app(proxy_settings(sim_url(sim)), registry=CollectorRegistry(), prices=BrokenPrices({}))
     proxy: TestServer = await aiohttp_server(app)
     turns = await run_agent(proxy, 2)
@@ -353,7 +353,7 @@ async def test_a_failing_price_lookup_is_named_usage(sim: TestServer, aiohttp_se
 
 
 async def test_a_failing_shared_store_is_named_store(sim: TestServer, make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="proxy.pipeline")
+    caplog.set_level(logging.INFO, logger="proxy.request.pipeline")
     proxy = await make_proxy(sim)
     pipeline = proxy.app[PIPELINE]
     store = pipeline.store = SharedStore(local_store(pipeline))
@@ -367,7 +367,7 @@ async def test_a_failing_shared_store_is_named_store(sim: TestServer, make_proxy
 async def test_a_shared_store_failing_on_a_later_round_is_still_named_store(
     sim: TestServer, make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="proxy.pipeline")
+    caplog.set_level(logging.INFO, logger="proxy.request.pipeline")
     proxy = await make_proxy(sim)
     pipeline = proxy.app[PIPELINE]
     store = pipeline.store = SharedStore(local_store(pipeline), good_fills=1)
@@ -397,7 +397,7 @@ async def test_a_failing_report_is_counted_and_the_response_served(
 async def test_a_failing_report_is_named_in_the_log_line(
     sim: TestServer, make_proxy: ProxyFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="proxy.pipeline")
+    caplog.set_level(logging.INFO, logger="proxy.request.pipeline")
     proxy = await make_proxy(sim)
     proxy.app[PIPELINE].reporter.metrics = BrokenMetrics(CollectorRegistry())
     await run_agent(proxy, 1)
@@ -407,7 +407,7 @@ async def test_a_failing_report_is_named_in_the_log_line(
 async def test_a_failing_parser_forwards_the_request_untouched(
     sim: TestServer, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("proxy.pipeline.WIRES", (BrokenWire(),))
+    monkeypatch.setattr("proxy.request.pipeline.WIRES", (BrokenWire(),))
     proxy = await make_proxy(sim)
     turns = await run_agent(proxy, 2)
     assert_served_unchanged(turns, sim)
@@ -422,8 +422,8 @@ async def test_a_failing_parser_forwards_the_request_untouched(
 async def test_a_failing_parser_is_named_in_the_log_line(
     sim: TestServer, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="proxy.pipeline")
-    monkeypatch.setattr("proxy.pipeline.WIRES", (BrokenWire(),))
+    caplog.set_level(logging.INFO, logger="proxy.request.pipeline")
+    monkeypatch.setattr("proxy.request.pipeline.WIRES", (BrokenWire(),))
     proxy = await make_proxy(sim)
     await run_agent(proxy, 1)
     assert [failed_open(line) for line in request_lines(caplog)] == [["parse"]]

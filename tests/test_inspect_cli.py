@@ -22,7 +22,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy import inspect_cli, sessions
+from proxy.ops import inspect_cli, sessions
 from proxy.config import Settings, load_settings
 from proxy.core import transcript_md
 from proxy.core.identity import message_identity, tools_identity
@@ -31,9 +31,9 @@ from proxy.errors import TranscriptFormatError
 from proxy.sim.render import render_tokens
 from proxy.store.base import Node, SessionTotals
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
-from proxy.store.sqlite import SqliteStore
-from proxy.tokens import LATER, TokenCounter
+from proxy.store.memory.store import MemoryStore
+from proxy.store.sqlite.store import SqliteStore
+from proxy.store.tokens import LATER, TokenCounter
 from tests.agents import Agent, args_keys_reordered, tools_reordered
 from tests.conftest import ProxyFactory, poster, received
 

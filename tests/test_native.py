@@ -58,9 +58,9 @@ def test_the_suite_runs_the_request_path_compiled() -> None:
     skip_unless_this_machine_compiles()
     assert native.state() == "compiled", f"{native.state()}: run `make compile` (or `make test`)"
     import proxy.core.match
-    import proxy.store.memory
+    import proxy.store.memory.store
 
-    for module in (proxy.core.match, proxy.store.memory):
+    for module in (proxy.core.match, proxy.store.memory.store):
         assert module.__file__ is not None and module.__file__.endswith(SUFFIX)
 
 
@@ -79,7 +79,7 @@ def package_copy(tmp_path: Path, *, built: bool) -> Path:
 
 def imported(root: Path, **env: str) -> tuple[str, str]:
     """``proxy.native.state()`` and where ``proxy.core.match`` came from, in a fresh interpreter on ``root``."""
-    code = "import proxy, proxy.core.match as m, proxy.store.memory; print(proxy.native.state()); print(m.__file__)"
+    code = "import proxy, proxy.core.match as m, proxy.store.memory.store; print(proxy.native.state()); print(m.__file__)"
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=root, env=environ(PYTHONPATH=str(root), **env),
         capture_output=True, text=True, timeout=60,
@@ -141,7 +141,7 @@ import proxy
 from proxy.core.identity import IdentityMemo
 from proxy.core.match import match_request
 from proxy.core.policy import Policy
-from proxy.failopen import FailOpen
+from proxy.request.failopen import FailOpen
 
 class Exploding:  # a store view whose every read fails
     def __getattr__(self, name):

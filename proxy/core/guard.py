@@ -1,7 +1,7 @@
 """The guard protocol the pure core runs its stages under, and :data:`STRICT`.
 
 The core never decides how errors are handled: callers pass a guard. The proxy
-passes a fail-open one (``proxy.failopen.FailOpen``: log, count, go on); tests and
+passes a fail-open one (``proxy.request.failopen.FailOpen``: log, count, go on); tests and
 offline tools use :data:`STRICT`, which lets every error through.
 """
 

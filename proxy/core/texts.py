@@ -1,6 +1,6 @@
 """The texts inside a message: what becomes tokens and what a person reads. Pure.
 
-The token counter (:mod:`proxy.tokens`) and the readable Markdown transcript
+The token counter (:mod:`proxy.store.tokens`) and the readable Markdown transcript
 (:mod:`proxy.core.transcript_md`) walk messages through these helpers.
 """
 

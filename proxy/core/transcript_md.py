@@ -131,7 +131,7 @@ class Transcript:
     tenant: bytes
     """The tenant root every node is chained from."""
     secret_id: bytes
-    """Fingerprint of the server secret that keyed ``tenant`` (8 bytes; see :mod:`proxy.sessions`)."""
+    """Fingerprint of the server secret that keyed ``tenant`` (8 bytes; see :mod:`proxy.ops.sessions`)."""
     totals: SessionTotals
     nodes: tuple[Node, ...]
     """Element 0 (the tools array) first; ``nodes[-1].key == session``."""

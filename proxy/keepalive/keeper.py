@@ -46,8 +46,8 @@ from ..config import KeepaliveSettings
 from ..core.breakpoints import CACHE_CONTROL, OPENAI
 from ..core.pricing import PriceTable, cost_of
 from ..core.usage import Usage, extract_usage
-from ..http1 import speaks_anthropic
 from ..metrics import ProxyMetrics
+from ..transport.http1 import speaks_anthropic
 from .bet import Stake, Timing, best_run, stake, write_bucket
 from .budget import Budget
 from .gaps import TenantGaps
@@ -55,8 +55,8 @@ from .ping import OUTPUT_LIMITS, api_of, output_limit, ping_body
 from .watch import Watch
 
 if TYPE_CHECKING:
+    from ..request.turn import Turn
     from ..routing import Replica
-    from ..turn import Turn
 
 __all__ = ["DEFAULT_TTLS", "KeepAlive", "ping_headers"]
 

@@ -12,7 +12,7 @@ from turn to turn and it keeps its home; routers that hash the raw bytes lose it
 
 :class:`Affinity` is the seam: :class:`LocalAffinity` keeps a bounded LRU table in this
 process. A shared store keeps it beside the transcripts (an :class:`AffinitySource`: the
-Redis store, :mod:`proxy.store.redis_affinity`), so every kvwarm process in front of the
+Redis store, :mod:`proxy.store.redis.affinity`), so every kvwarm process in front of the
 same pool sees where a session lives: one entry per node key, kept with the tenant's other
 keys (``tenant``), expiring about when an engine's KV would
 (``routing.affinity_ttl_seconds``: minutes to hours, not the transcript's day), returned by

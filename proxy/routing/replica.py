@@ -1,6 +1,6 @@
 """One replica of the upstream pool: its sender, what kvwarm learned about it, its health and load.
 
-A replica is one ``upstream.base_url``. Its :class:`~proxy.traits.UpstreamTraits`
+A replica is one ``upstream.base_url``. Its :class:`~proxy.transport.traits.UpstreamTraits`
 are its own (one replica may be a llama.cpp server reporting ``timings``, the next a
 vLLM server): the bytes a request is sent with depend on the replica it goes to.
 """
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from yarl import URL
 
-from ..traits import UpstreamTraits
-from ..upstream import UpstreamSender
+from ..transport.client import UpstreamSender
+from ..transport.traits import UpstreamTraits
 from .health import Health
 
 __all__ = ["Replica", "replica_labels"]
@@ -35,7 +35,7 @@ class Replica:
     """The name rendezvous hashing and the affinity table use: the base URL's bytes (the same in
     every process configured with this pool, whatever the order of the list)."""
     traits: UpstreamTraits = field(default_factory=UpstreamTraits)
-    """What this replica has shown (see :mod:`proxy.traits`)."""
+    """What this replica has shown (see :mod:`proxy.transport.traits`)."""
     inflight: int = 0
     """Requests sent here whose responses are not finished."""
     requests: int = 0

@@ -29,8 +29,8 @@ from ..core.guard import STRICT, Guard
 from ..core.plan import TurnPlan
 from ..errors import ProxyError
 from ..metrics import ProxyMetrics
-from ..transport import Response
-from ..upstream import UpstreamSender, never_sent
+from ..transport.client import UpstreamSender, never_sent
+from ..transport.pool import Response
 from .affinity import Affinity, LocalAffinity
 from .cache_key import FIELD, KeyShards, conversation_key, session_cache_key, with_prompt_cache_key
 from .health import Health
@@ -58,7 +58,7 @@ class Outgoing(Protocol):
 
 
 class Outcome(Protocol):
-    """How the relay ended (``proxy.relay.RelayOutcome``), as far as the replica's health goes."""
+    """How the relay ended (``proxy.request.relay.RelayOutcome``), as far as the replica's health goes."""
 
     @property
     def upstream_error(self) -> BaseException | None: ...

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from ..core.model import ROLE_TOOLS, Node, NodeReader, SessionTotals, TurnWrite
 
 if TYPE_CHECKING:
-    from ..tokens import TokenCounter, TokenCounts
+    from .tokens import TokenCounter, TokenCounts
 
 __all__ = [
     "ROLE_TOOLS",
@@ -164,7 +164,7 @@ class AsyncStore(Protocol):
     """The store as the request path, the admin API and the CLI use it: awaitable, local or shared.
 
     :class:`LocalStore` adapts any :class:`TranscriptStore` (memory, sqlite); a shared
-    backend (``proxy.store.redis``) implements this directly. Every call may be slow or
+    backend (``proxy.store.redis.store``) implements this directly. Every call may be slow or
     fail on a shared store: callers bound it (``store.timeout``) and fail open.
     """
 
@@ -192,7 +192,7 @@ class AsyncStore(Protocol):
         ...
 
     def token_counts(self, counter: TokenCounter) -> TokenCounts:
-        """How this store's nodes get their token counts (:mod:`proxy.tokens`): written uncounted
+        """How this store's nodes get their token counts (:mod:`proxy.store.tokens`): written uncounted
         and counted when read, the counts kept (a local store that can keep them), or counted
         before they are written (a shared store: every process reads them)."""
         ...

@@ -8,8 +8,8 @@ from ..config import StoreSettings
 from ..errors import ConfigError
 from .base import AsyncStore
 from .local import LocalStore
-from .memory import MemoryStore
-from .sqlite import SqliteStore
+from .memory.store import MemoryStore
+from .sqlite.store import SqliteStore
 from .urls import is_redis_url
 
 SQLITE_PREFIX = "sqlite:"
@@ -37,7 +37,7 @@ def make_store(settings: StoreSettings, *, set_aside_damaged: bool = True) -> As
         store.set_aside_damaged = set_aside_damaged
         return LocalStore(store)
     if is_redis_url(backend):
-        from .redis import RedisStore  # the Redis client is imported only when used
+        from .redis.store import RedisStore  # the Redis client is imported only when used
 
         return RedisStore(
             backend,

@@ -11,7 +11,6 @@ from typing import cast
 
 from mypy_extensions import mypyc_attr
 
-from ..tokens import TokenCounter, TokenCounts
 from .base import (
     Lookups,
     Node,
@@ -22,7 +21,8 @@ from .base import (
     TranscriptStore,
     TurnWrite,
 )
-from .memory import MemoryStore
+from .memory.store import MemoryStore
+from .tokens import TokenCounter, TokenCounts
 
 __all__ = ["LocalStore"]
 

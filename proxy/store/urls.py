@@ -10,7 +10,7 @@ SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 def is_redis_url(backend: str) -> bool:
-    """Whether ``backend`` names a Redis store (one of the URL forms of :mod:`proxy.store.redis`)."""
+    """Whether ``backend`` names a Redis store (one of the URL forms of :mod:`proxy.store.redis.store`)."""
     scheme, sep, _ = backend.partition("://")
     return bool(sep) and scheme.lower() in SCHEMES
 

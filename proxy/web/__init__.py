@@ -3,7 +3,7 @@
 A dashboard served by kvwarm itself on the proxy port, for the operator who ran
 ``make run`` and has no Grafana: server-rendered HTML, a small script that polls
 ``/kvwarm/api/overview`` every few seconds, and a stylesheet; no CDN, no build step,
-no third-party code. Access follows the admin API's rule (:func:`proxy.admin.decide_access`).
+no third-party code. Access follows the admin API's rule (:func:`proxy.ops.admin.decide_access`).
 
 Modules, one concept each:
 

@@ -1,6 +1,6 @@
 """Everything the ``/kvwarm/`` page shows, as one JSON-able value: what ``/kvwarm/api/overview`` returns.
 
-Who sees what (the access decision is :func:`proxy.admin.decide_access`'s):
+Who sees what (the access decision is :func:`proxy.ops.admin.decide_access`'s):
 
 * The operator (a loopback client, or the admin token) sees the whole process:
   ``totals`` (the Prometheus counters since start: the very numbers of ``/metrics``),
@@ -35,7 +35,7 @@ from typing import Any
 import orjson
 from yarl import URL
 
-from ..sessions import summary
+from ..ops.sessions import summary
 from ..store.base import Node, SessionInfo
 from .activity import Activity, BreakExample
 from .counters import Reading, Totals

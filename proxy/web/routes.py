@@ -12,7 +12,7 @@ answer 200 with the process's own figures, no sessions, and ``store.available`` 
 message the page shows in a banner (:mod:`proxy.web.overview`).
 
 The page and the API answer under the admin API's access rule, decided by
-:func:`proxy.admin.decide_access` (loopback, the admin token, or a tenant's own key
+:func:`proxy.ops.admin.decide_access` (loopback, the admin token, or a tenant's own key
 that sees only its own sessions and break examples; see :mod:`proxy.web.overview`
 for what a tenant sees). The static files hold no data and are served to anyone who
 can reach the port.
@@ -39,11 +39,11 @@ import orjson
 from aiohttp import hdrs, web
 
 from .. import __version__
-from ..admin import decide_access
 from ..appkeys import ACTIVITY, HISTORY, PIPELINE, REGISTRY, SETTINGS, STORE
+from ..edge.tenancy import UNKNOWN_TENANT
 from ..errors import StoreError
+from ..ops.admin import decide_access
 from ..store.base import AsyncStore, SessionInfo
-from ..tenancy import UNKNOWN_TENANT
 from .activity import Activity
 from .counters import read_counters
 from .overview import Viewer, build_overview, preview_of, top_sessions
@@ -102,7 +102,7 @@ _ASSETS = web.AppKey("kvwarm_web_assets", _Assets)
 
 def _viewer(request: web.Request) -> Viewer:
     """Who is looking. A tenant whose root the store cannot derive yet (its secret is unknown)
-    is a tenant all the same, named :data:`~proxy.tenancy.UNKNOWN_TENANT`: it sees nothing."""
+    is a tenant all the same, named :data:`~proxy.edge.tenancy.UNKNOWN_TENANT`: it sees nothing."""
     try:
         access = decide_access(request.remote, request.headers, request.app[SETTINGS], request.app[STORE].secret)
     except StoreError:

@@ -33,7 +33,7 @@ from ..core.record import Reply
 from ..core.splice import Edit, Refusal, try_splice
 from ..core.sse import SSEEvent
 from ..core.usage import Usage
-from ..traits import UpstreamTraits
+from ..transport.traits import UpstreamTraits
 
 __all__ = [
     "BODY_LIMIT",

@@ -40,7 +40,7 @@ from ..core.breakpoints import (
 )
 from ..core.plan import TurnPlan
 from ..core.splice import Edit, Insert, Refusal, Reorder, Replace, try_splice
-from ..traits import UpstreamTraits
+from ..transport.traits import UpstreamTraits
 
 __all__ = ["KEYS", "MARKERS", "ChatElements", "ResponsesElements", "client_marks", "with_breakpoints"]
 

@@ -35,7 +35,7 @@ from ..core.splice import Edit, Insert, skip_space, splice
 from ..core.splice import Replace as SetValue
 from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage, is_usage_only_chunk, merge_usage
-from ..traits import UpstreamTraits
+from ..transport.traits import UpstreamTraits
 from .base import HIDE, KEEP, BodyBuffer, Outgoing, Replace, Verdict, body_json, json_turn
 from .cache_marks import ChatElements, with_breakpoints
 

@@ -48,7 +48,7 @@ from ..core.repair import NO_REPAIR
 from ..core.splice import skip_space
 from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage
-from ..traits import UpstreamTraits
+from ..transport.traits import UpstreamTraits
 from .base import KEEP, BodyBuffer, Outgoing, Verdict, body_json, json_turn, plan_on_view
 from .json_spans import compact_json
 from .messages_edits import message_edits

@@ -53,7 +53,7 @@ custom-tool input its deltas carried so far. Also the response's ``id`` and, whe
 named a ``comparison_response_id``, the provider's verdict on its cache use
 (``prompt_cache_diagnostics``, :mod:`proxy.core.provider_misses`).
 
-Provider diagnostics (``upstream.provider_diagnostics``, :mod:`proxy.diagnosis`):
+Provider diagnostics (``upstream.provider_diagnostics``, :mod:`proxy.request.diagnosis`):
 :func:`with_comparison` names the earlier response the provider compares a request with, inside
 the client's bytes, where the client named none.
 """
@@ -79,7 +79,7 @@ from ..core.repair import NO_REPAIR
 from ..core.splice import Edit, Insert, Refusal, Reorder, Replace, try_splice
 from ..core.sse import SSEEvent, load_data
 from ..core.usage import Usage, extract_usage
-from ..traits import UpstreamTraits
+from ..transport.traits import UpstreamTraits
 from .base import KEEP, BodyBuffer, Outgoing, Verdict, body_json, json_post, plan_on_view
 from .cache_marks import ResponsesElements, item_positions, with_breakpoints
 

@@ -33,7 +33,7 @@ from proxy.core.model import tenant_root
 from proxy.core.plan import turn_write
 from proxy.core.policy import Policy
 from proxy.core.prefix import PrefixMemo
-from proxy.store.memory import MemoryStore
+from proxy.store.memory.store import MemoryStore
 from proxy.wire.responses import ResponsesWire
 from tests.bench.measure import interleaved, median, ratio
 from tests.bench.report import Section, Table, kib, mark, us, x

@@ -1,7 +1,7 @@
 """Core processing cost (issue 3): identify + match + repair + diagnose, as a ratio to parsing.
 
 For conversations of 10, 100 and 500 messages (~20 kB, ~200 kB, ~1 MB), a
-:class:`~proxy.store.memory.MemoryStore` holds the previous turn exactly as the pipeline
+:class:`~proxy.store.memory.store.MemoryStore` holds the previous turn exactly as the pipeline
 records it (``match_request`` -> ``new_nodes`` with the assistant reply -> ``insert``);
 the request then re-sends that turn and adds the new tool results. Timed, per request,
 interleaved with its baseline ``orjson.loads`` of the same body bytes:
@@ -43,8 +43,8 @@ from proxy.core.prefix import PrefixMemo
 from proxy.core.record import Reply
 from proxy.core.repair import plan_repair
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
-from proxy.tokens import TokenCounter
+from proxy.store.memory.store import MemoryStore
+from proxy.store.tokens import TokenCounter
 from tests.agents import TOOLS, Drift, args_python_dumps, tools_reordered
 from tests.bench.conversations import Message, chat_body, conversation
 from tests.bench.measure import interleaved, median, ratio

@@ -6,7 +6,7 @@ back chunk by chunk as it arrives. No parsing, no metrics, no logging. It runs o
 when installed, like ``kvwarm serve`` (``server.uvloop = true``).
 
 With ``--client kvwarm`` the same pass-through sends on kvwarm's own transport
-(:mod:`proxy.transport`) instead: what kvwarm's plumbing costs without its own work.
+(:mod:`proxy.transport.pool`) instead: what kvwarm's plumbing costs without its own work.
 
 ``python -m tests.bench.passthrough --port P --upstream http://127.0.0.1:U/v1 [--client kvwarm]``
 """
@@ -22,7 +22,7 @@ import aiohttp
 from aiohttp import hdrs, web
 from yarl import URL
 
-from proxy.transport import Origin, Pool, Transport
+from proxy.transport.pool import Origin, Pool, Transport
 
 _HOP = frozenset(
     h.lower()

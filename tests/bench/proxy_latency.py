@@ -68,7 +68,7 @@ CPU_AIMS = {"small": 1.2, "large": 1.5}
 """kvwarm's CPU per request at most this times the bare pass-through's (issue 15)."""
 CONCURRENCY = 32
 TRANSPORT_ONLY = "bare on kvwarm's transport"
-"""The bare pass-through sending on :mod:`proxy.transport`: kvwarm's plumbing without its own work."""
+"""The bare pass-through sending on :mod:`proxy.transport.pool`: kvwarm's plumbing without its own work."""
 AGENT_TURNS = 25
 """Turns of one agent session before it starts a new one (throughput)."""
 STREAM_TOKENS = 200

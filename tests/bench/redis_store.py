@@ -36,8 +36,8 @@ from proxy.core.policy import Policy
 from proxy.core.record import Reply
 from proxy.store.base import AsyncStore
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
-from proxy.store.redis import RedisStore, RedisView
+from proxy.store.memory.store import MemoryStore
+from proxy.store.redis.store import RedisStore, RedisView
 from tests.bench.conversations import chat_body, conversation
 from tests.bench.measure import percentile, rotated
 from tests.bench.report import Section, Table, us

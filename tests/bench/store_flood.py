@@ -46,7 +46,7 @@ from proxy.core.plan import plan_turn, turn_write
 from proxy.core.policy import Policy
 from proxy.core.record import Reply
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
+from proxy.store.memory.store import MemoryStore
 from tests.agents import TOOLS
 from tests.bench.report import Section, Table, us, x
 

@@ -30,7 +30,7 @@ import orjson
 from proxy.core.match import match_request, new_nodes, tenant_root
 from proxy.core.policy import Policy
 from proxy.store.base import SessionTotals
-from proxy.store.memory import MemoryStore
+from proxy.store.memory.store import MemoryStore
 from tests.agents import TOOLS
 from tests.bench.conversations import Message, chat_body, conversation
 from tests.bench.measure import interleaved, median, ratio

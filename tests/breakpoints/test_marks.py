@@ -13,7 +13,7 @@ from proxy.core.breakpoints import CACHE_CONTROL, OPENAI, Marks, tree_facts
 from proxy.core.identity import message_identity
 from proxy.core.plan import TurnPlan, plan_turn
 from proxy.core.policy import Policy
-from proxy.traits import UpstreamTraits
+from proxy.transport.traits import UpstreamTraits
 from proxy.wire.cache_marks import with_breakpoints
 from proxy.wire.chat import ChatWire
 from proxy.wire.responses import ResponsesWire

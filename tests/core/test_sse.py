@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from proxy.core.guard import STRICT
 from proxy.core.sse import SSEDecoder, SSEEvent, load_data
-from proxy.traits import UpstreamTraits
+from proxy.transport.traits import UpstreamTraits
 from proxy.wire.chat import ChatObserver
 
 

@@ -124,7 +124,7 @@ def test_a_copy_made_by_the_constructor_keeps_every_field() -> None:
     from proxy.core.model import Node, SessionTotals
     from proxy.core.plan import TurnPlan
     from proxy.core.repair import NO_REPAIR
-    from proxy.store.memory_sessions import copy_totals
+    from proxy.store.memory.sessions import copy_totals
     from proxy.wire.responses import ItemsView
 
     node = Node(
@@ -148,7 +148,7 @@ def test_a_copy_made_by_the_constructor_keeps_every_field() -> None:
     assert copied == totals and copied is not totals
 
 
-PLAIN_SUBCLASSES_OF_COMPILED = {"proxy.store.sqlite.SqliteStore"}
+PLAIN_SUBCLASSES_OF_COMPILED = {"proxy.store.sqlite.store.SqliteStore"}
 """Plain Python classes of the package that subclass a compiled one. Compiled code calls every
 method of such an instance through mypyc's glue, a lookup by name: a class the request path
 uses on every request must not be one (a plain ``Response(Body)`` cost a Codex request 8 k

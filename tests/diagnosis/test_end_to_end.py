@@ -98,7 +98,7 @@ async def test_a_hit_is_no_miss_and_an_expired_prefix_is_the_providers(
     assert diagnoses(proxy) == {"hit": 1, "client_miss": 0, "provider_miss": 0, "unknown": 0}
 
     await advance(sim, TTL + 60)
-    caplog.set_level(logging.INFO, logger="proxy.pipeline")
+    caplog.set_level(logging.INFO, logger="proxy.request.pipeline")
     third = await session.turn("And the second one.")
     assert compared_with(sent(sim)[2]) == second.id
     assert third.usage.input_tokens_details.cached_tokens == 0
@@ -191,7 +191,7 @@ async def test_a_comparison_that_fails_fails_open(
     def broken(api: str, raw: bytes, body: Any, response_id: str) -> bytes:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("proxy.turn.asked", broken)
+    monkeypatch.setattr("proxy.request.turn.asked", broken)
     session = Session(openai_client(proxy))
     await session.turn("Task one: list the files.")
     second = await session.turn("Now read the first one.")

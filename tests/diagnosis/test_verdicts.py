@@ -18,7 +18,7 @@ from proxy.core.provider_misses import (
     anthropic_verdict,
     openai_verdict,
 )
-from proxy.diagnosis import ProviderDiagnosis, asked, verdict_of
+from proxy.request.diagnosis import ProviderDiagnosis, asked, verdict_of
 from proxy.wire.responses import with_comparison
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from proxy.core.record import Reply
 from proxy.core.sse import SSEDecoder, SSEEvent
-from proxy.failopen import FailOpen
+from proxy.request.failopen import FailOpen
 from proxy.sim.message_events import message_events, message_object
 from proxy.wire.messages import MessagesObserver
 from proxy.wire.messages_view import assistant_view

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.http1 import forward_request_headers
+from proxy.transport.http1 import forward_request_headers
 from tests.conftest import ProxyFactory, received
 from tests.messages.agents import MODEL, MessagesAgent, Turn, post_messages, prefix_of
 from tests.messages.conftest import Clients

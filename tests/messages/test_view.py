@@ -24,7 +24,7 @@ from proxy.core.plan import TurnPlan, turn_write
 from proxy.core.policy import Policy
 from proxy.core.splice import Reorder, Replace
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
+from proxy.store.memory.store import MemoryStore
 from proxy.wire.json_spans import compact_json
 from proxy.wire.messages import MessagesWire
 from proxy.wire.messages_edits import message_edits

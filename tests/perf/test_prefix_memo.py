@@ -22,7 +22,7 @@ from proxy.core.identity import IdentityMemo
 from proxy.core.match import match_request, tenant_root
 from proxy.core.policy import Policy
 from proxy.core.prefix import PrefixMemo
-from proxy.store.memory import MemoryStore
+from proxy.store.memory.store import MemoryStore
 
 ROOT = tenant_root(b"k" * 32, "Bearer sk-test")
 SCOPE = (ROOT, "POST", "/v1/chat/completions")

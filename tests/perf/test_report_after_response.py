@@ -36,8 +36,8 @@ from proxy.core.policy import Policy
 from proxy.core.pricing import Cost
 from proxy.core.usage import Usage
 from proxy.metrics import LATENCY_BUCKETS, ProxyMetrics
-from proxy.report import Answer, Reporter
-from proxy.store.memory import MemoryStore
+from proxy.request.report import Answer, Reporter
+from proxy.store.memory.store import MemoryStore
 from proxy.web.counters import read_counters
 from tests.conftest import ProxyFactory
 
@@ -171,7 +171,7 @@ def scraped(text: str) -> dict[str, float]:
 async def test_every_response_is_counted_by_the_next_read(
     make_proxy: ProxyFactory, sim: TestServer, openai_client: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="proxy.pipeline")
+    caplog.set_level(logging.INFO, logger="proxy.request.pipeline")
     kvwarm = await make_proxy(sim)
     client = openai_client(kvwarm)
     messages: list[dict[str, Any]] = [{"role": "system", "content": "You are terse."}]
@@ -206,7 +206,7 @@ async def test_every_response_is_counted_by_the_next_read(
                 overview = await r.json()
             assert overview["totals"]["requests"] == turn + 1
             assert overview["totals"]["prompt_tokens"] == prompt
-            lines = [r for r in caplog.records if r.name == "proxy.pipeline" and r.getMessage().startswith("chat ")]
+            lines = [r for r in caplog.records if r.name == "proxy.request.pipeline" and r.getMessage().startswith("chat ")]
             assert len(lines) == turn + 1
             assert f"prompt={usage.prompt_tokens} " in lines[-1].getMessage()
 

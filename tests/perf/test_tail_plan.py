@@ -36,7 +36,7 @@ from proxy.core.policy import Policy
 from proxy.core.prefix import PrefixMemo, Recalled
 from proxy.core.record import Reply
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
+from proxy.store.memory.store import MemoryStore
 from proxy.wire.base import Wire
 from tests.agents import SAFE_DRIFTS, Agent, Drift
 

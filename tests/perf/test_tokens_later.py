@@ -1,7 +1,7 @@
 """Token counts of a turn's small nodes are made when they are read, not on every turn.
 
 A turn's nodes are written before the response's last byte. With a local store (memory,
-sqlite) they are written uncounted (:data:`~proxy.tokens.LATER`), and their counts
+sqlite) they are written uncounted (:data:`~proxy.store.tokens.LATER`), and their counts
 (tiktoken, CPU work: a new session's 10 KiB system prompt costs over a millisecond) are made
 when something reads them: a repair's rescued tokens (before its response) or a session's
 view. A shared store (Redis) has them counted before the write. Checked here:
@@ -44,12 +44,12 @@ from proxy.core.model import TurnWrite
 from proxy.core.plan import TurnPlan, plan_turn, turn_write
 from proxy.core.policy import Policy
 from proxy.core.record import Reply
-from proxy.pipeline import Pipeline
+from proxy.request.pipeline import Pipeline
+from proxy.request.turn import Turn
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
-from proxy.store.redis import RedisStore
-from proxy.tokens import INLINE_TOKENIZE_BYTES, LATER, TokenCounter
-from proxy.turn import Turn
+from proxy.store.memory.store import MemoryStore
+from proxy.store.redis.store import RedisStore
+from proxy.store.tokens import INLINE_TOKENIZE_BYTES, LATER, TokenCounter
 from tests.agents import Agent, args_python_dumps, whitespace_stripped
 from tests.conftest import ProxyFactory, poster, store_of
 from tests.store.redis_server import RedisServer

@@ -21,11 +21,11 @@ from aiohttp.test_utils import TestServer
 from proxy.config import ServerSettings
 from proxy.core.sse import SSEEvent
 from proxy.core.usage import Usage
-from proxy.edge import runner_options
+from proxy.edge.defences import runner_options
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
-from proxy.relay import WHOLE_BODY_LIMIT, Relay, RelayOutcome
-from proxy.transport import Transport
-from proxy.upstream import forward_request_headers
+from proxy.request.relay import WHOLE_BODY_LIMIT, Relay, RelayOutcome
+from proxy.transport.client import forward_request_headers
+from proxy.transport.pool import Transport
 from proxy.wire.base import HIDE, KEEP, Replace, Verdict
 from tests.proxy.test_upstream_client import upstream_sender
 

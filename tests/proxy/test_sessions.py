@@ -13,8 +13,8 @@ from aiohttp.test_utils import TestServer
 
 from proxy.core.plan import TurnPlan
 from proxy.sim.render import render_tokens
-from proxy.store.memory import MemoryStore
-from proxy.traits import UpstreamTraits
+from proxy.store.memory.store import MemoryStore
+from proxy.transport.traits import UpstreamTraits
 from proxy.wire.base import Outgoing
 from proxy.wire.chat import ChatWire
 from tests.agents import USER_TURNS, Agent, args_keys_reordered, tools_reordered, varying
@@ -168,7 +168,7 @@ class UnserializingWire(ChatWire):
 
 
 async def test_a_failing_serialization_forwards_the_original_bytes(sim: TestServer, make_proxy: ProxyFactory, monkeypatch: Any) -> None:
-    monkeypatch.setattr("proxy.pipeline.WIRES", (UnserializingWire(),))
+    monkeypatch.setattr("proxy.request.pipeline.WIRES", (UnserializingWire(),))
     UnserializingWire.failures = 0
     proxy_server = await make_proxy(sim)
     turns = await Agent(poster(proxy_server), drift=args_keys_reordered).run(3)

@@ -181,7 +181,7 @@ async def test_info_log_line_has_the_numbers_and_no_secrets(
     assert failed["_status"] == 503
     responses.append(failed)
 
-    lines = [r for r in caplog.records if r.name == "proxy.pipeline" and r.levelno == logging.INFO]
+    lines = [r for r in caplog.records if r.name == "proxy.request.pipeline" and r.levelno == logging.INFO]
     assert len(lines) == len(responses)
     for record, response in zip(lines, responses, strict=True):
         fields = dict(_FIELD.findall(record.getMessage()))

@@ -1,4 +1,4 @@
-"""kvwarm's HTTP/1.1 client (``proxy.transport``) on real sockets, against a raw upstream that
+"""kvwarm's HTTP/1.1 client (``proxy.transport.pool``) on real sockets, against a raw upstream that
 writes exactly the bytes each test scripts: how response bodies are framed and decoded, which
 connections are reused (and for how long idle), the pool limit, flow control, malformed responses, timeouts, the
 request head it writes, and closing."""
@@ -22,8 +22,8 @@ import pytest
 import trustme
 from aiohttp import web
 
-from proxy.http1 import keep_alive_timeout
-from proxy.transport import (
+from proxy.transport.http1 import keep_alive_timeout
+from proxy.transport.pool import (
     GRACE,
     HIGH_WATER,
     ConnectFailed,
@@ -799,7 +799,7 @@ async def test_an_upstream_that_closes_after_each_response_gets_a_new_connection
         await asyncio.sleep(SHORT / 4)  # then closes, unasked
         return False
 
-    caplog.set_level(logging.INFO, logger="proxy.transport")
+    caplog.set_level(logging.INFO, logger="proxy.transport.pool")
     upstream = await serve(reply)
     pool = transport.pool(upstream.origin, Route(idle_timeout=WAIT))
     for _ in range(4):

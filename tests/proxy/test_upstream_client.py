@@ -17,15 +17,15 @@ from yarl import URL
 
 from proxy.config import UpstreamSettings
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
-from proxy.relay import Relay
-from proxy.transport import ConnectFailed, Disconnected, Transport
-from proxy.upstream import (
+from proxy.request.relay import Relay
+from proxy.transport.client import (
     ReplicaSender,
     Upstream,
     forward_request_headers,
     forward_response_headers,
     never_sent,
 )
+from proxy.transport.pool import ConnectFailed, Disconnected, Transport
 from proxy.wire.base import Untouched
 from tests.conftest import ProxyFactory
 

@@ -1,6 +1,6 @@
 """Connections are bounded: at most ``server.max_connections`` open, and headers within ``server.header_timeout``.
 
-kvwarm is started the way ``kvwarm serve`` starts it (:func:`proxy.edge.start_server`, and once
+kvwarm is started the way ``kvwarm serve`` starts it (:func:`proxy.edge.defences.start_server`, and once
 as a real ``kvwarm serve`` process), in front of the reference upstream. Clients are raw
 sockets that connect and then send nothing, or half a request head. Today ``kvwarm serve``
 accepts every connection and keeps one that sends half a head for 75 s (aiohttp's keep-alive
@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
-from proxy.edge import GuardedSite, start_server
+from proxy.edge.defences import GuardedSite, start_server
 from tests.conftest import proxy_settings, sim_url
 from tests.reliability.conftest import (
     exchange,

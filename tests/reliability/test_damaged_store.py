@@ -26,7 +26,7 @@ from aiohttp.test_utils import TestServer
 
 from proxy.core.match import tenant_root
 from proxy.errors import StoreError
-from proxy.store.sqlite import SqliteStore
+from proxy.store.sqlite.store import SqliteStore
 from tests.conftest import ProxyFactory, metric, sim_url
 from tests.reliability.conftest import free_port
 from tests.test_inspect_cli import session_nodes
@@ -112,7 +112,7 @@ async def test_kvwarm_starts_on_a_damaged_store_and_serves(
     assert contents(aside.with_name(aside.name + "-wal")) == b"left-over write-ahead log"
     stamp = aside.name.removeprefix("kv.db.damaged-")
     assert len(stamp) == 16 and stamp.endswith("Z") and stamp[8] == "T", stamp
-    errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.name == "proxy.store.sqlite"]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.name == "proxy.store.sqlite.store"]
     assert len(errors) == 1 and "moved it aside" in errors[0].getMessage(), kind
     assert metric(proxy, "kvwarm_store_corrupt_entries") >= 1
 
@@ -176,4 +176,4 @@ async def test_kvwarm_serve_starts_on_a_damaged_store(damaged_db: tuple[Path, st
     assert proc.returncode == 0
     assert proc.stderr is not None
     log = (await proc.stderr.read()).decode()
-    assert "ERROR proxy.store.sqlite: store" in log and "moved it aside" in log
+    assert "ERROR proxy.store.sqlite.store: store" in log and "moved it aside" in log

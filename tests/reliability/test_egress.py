@@ -38,10 +38,10 @@ from yarl import URL
 
 from proxy.app import create_app
 from proxy.config import load_settings
-from proxy.egress import Egress, NoProxy, Proxy, Route
 from proxy.errors import ConfigError
 from proxy.sim.server import SimConfig, create_sim_app
-from proxy.transport import Origin, ProxyRefused, Transport
+from proxy.transport.egress import Egress, NoProxy, Proxy, Route
+from proxy.transport.pool import Origin, ProxyRefused, Transport
 from tests.conftest import received
 
 ROOT = Path(__file__).resolve().parents[2]

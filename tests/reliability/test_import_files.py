@@ -17,10 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from proxy import sessions
+from proxy.ops import sessions
 from proxy.core import transcript_md
 from proxy.store.local import LocalStore
-from proxy.store.sqlite import SqliteStore
+from proxy.store.sqlite.store import SqliteStore
 from tests.test_inspect_cli import filled_store
 
 SECRET = "s" * 32

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy import edge
+from proxy.edge import defences as edge
 from proxy.cli import configure_logging
 from tests.reliability.conftest import exchange, get
 

@@ -30,8 +30,8 @@ import orjson
 import pytest
 
 from proxy.config import UpstreamSettings
-from proxy.transport import Transport
-from proxy.upstream import Upstream
+from proxy.transport.client import Upstream
+from proxy.transport.pool import Transport
 from tests.conftest import ProxyFactory
 
 WAIT = 5.0

@@ -25,8 +25,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.relay import EVENT_LIMIT, WHOLE_BODY_LIMIT
-from proxy.transport import GRACE, HIGH_WATER, Malformed, Transport
+from proxy.request.relay import EVENT_LIMIT, WHOLE_BODY_LIMIT
+from proxy.transport.pool import GRACE, HIGH_WATER, Malformed, Transport
 from tests.conftest import ProxyFactory, metric
 from tests.proxy.test_transport import (
     RawUpstream,

@@ -27,7 +27,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.workers import MAX_START_FAILURES
+from proxy.ops.workers import MAX_START_FAILURES
 from tests.scale.test_workers import (
     PAGE,
     REPO,

@@ -13,7 +13,7 @@ import pytest
 
 from proxy.core.record import Reply
 from proxy.core.sse import SSEDecoder, SSEEvent
-from proxy.failopen import FailOpen
+from proxy.request.failopen import FailOpen
 from proxy.sim.events import response_events
 from proxy.wire.responses import ResponsesObserver
 

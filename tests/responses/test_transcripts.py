@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 from aiohttp.test_utils import TestServer
 
-from proxy import inspect_cli
+from proxy.ops import inspect_cli
 from proxy.config import Settings, load_settings
 from proxy.core import transcript_md
 from proxy.core.policy import Policy

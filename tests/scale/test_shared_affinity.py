@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy.store.redis_affinity import PREFETCH_SECONDS, RedisAffinity
+from proxy.store.redis.affinity import PREFETCH_SECONDS, RedisAffinity
 from tests.agents import SAFE_DRIFTS, Post, no_drift
 from tests.conftest import ProxyFactory, metric, poster, sim_url
 from tests.routing.conftest import router_of, served, session_agent

@@ -15,7 +15,7 @@ from proxy.errors import ConfigError
 from proxy.store.base import SessionTotals, TranscriptStore
 from proxy.store.factory import make_store
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore, blob_cost, node_cost
+from proxy.store.memory.store import MemoryStore, blob_cost, node_cost
 
 from .conftest import FakeClock
 

@@ -20,7 +20,7 @@ import pytest
 from proxy.core.identity import IdentityMemo, identify_messages
 from proxy.core.policy import Policy
 from proxy.store.base import Node, SessionTotals
-from proxy.store.memory import (
+from proxy.store.memory.store import (
     IDENTITY_ENTRY,
     INDEX_ENTRY,
     LEAF_ENTRY,
@@ -31,7 +31,7 @@ from proxy.store.memory import (
     node_cost,
     session_cost,
 )
-from proxy.store.sqlite import SqliteStore
+from proxy.store.sqlite.store import SqliteStore
 
 from .conftest import build_path, tenant_root
 

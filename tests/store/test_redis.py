@@ -25,8 +25,8 @@ from proxy.core.record import Reply
 from proxy.errors import ConfigError, StoreError
 from proxy.store.base import AsyncStore, SessionTotals, StoreView, TurnWrite
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
-from proxy.store.redis import CHILDREN_LIMIT, WRITE, RedisStore, RedisView, is_redis_url
+from proxy.store.memory.store import MemoryStore
+from proxy.store.redis.store import CHILDREN_LIMIT, WRITE, RedisStore, RedisView, is_redis_url
 from tests.conftest import need_redis
 from tests.core.factories import assistant, call, make_chat, result, system, user
 from tests.store.redis_server import (

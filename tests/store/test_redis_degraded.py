@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestServer
 from proxy.app import STORE
 from proxy.errors import StoreError
 from proxy.store.base import SessionTotals, TurnWrite
-from proxy.store.redis import RedisStore
+from proxy.store.redis.store import RedisStore
 from tests.agents import SAFE_DRIFTS, Agent, Turn
 from tests.conftest import ProxyFactory, metric, need_redis, poster
 from tests.store.redis_server import RedisServer
@@ -222,7 +222,7 @@ async def test_a_replica_follows_the_secret_a_newcomer_stored_and_says_so_once(
         assert new.secret() != before
         more = make_path(tenant, ["hello", ("assistant", "hi"), "again"])
         turn = TurnWrite(nodes=more[-1:], path=[n.key for n in path], leaf=more[-1].key, totals=SessionTotals(turns=1), now=2.0)
-        with caplog.at_level(logging.WARNING, logger="proxy.store.redis_link"):
+        with caplog.at_level(logging.WARNING, logger="proxy.store.redis.link"):
             with pytest.raises(StoreError, match="secret changed"):
                 await old.write_turn(turn)  # finds its path gone: Redis lost data; the secret is checked
             assert old.secret() == new.secret()

@@ -14,7 +14,7 @@ from proxy.config import StoreSettings
 from proxy.errors import StoreError
 from proxy.store.base import SessionTotals, TranscriptStore
 from proxy.store.factory import make_store
-from proxy.store.sqlite import SqliteStore
+from proxy.store.sqlite.store import SqliteStore
 
 BIG = 10**12
 SLOW = 3600.0
@@ -226,7 +226,7 @@ async def test_corrupt_node_is_a_counted_miss(opened, db, tenant, make_path, cap
         row = conn.execute("SELECT * FROM nodes WHERE key = ?", (broken[2].key,)).fetchone()
     _corrupt_node(db, broken[2].key, column, value(row))
 
-    with caplog.at_level(logging.WARNING, logger="proxy.store.sqlite"):
+    with caplog.at_level(logging.WARNING, logger="proxy.store.sqlite.store"):
         again = await opened()
     assert again.stats().corrupt == 1
     assert again.path(fine[-1].key) == fine

@@ -18,7 +18,7 @@ from proxy.core.usage import Usage
 from proxy.metrics import ProxyMetrics
 from proxy.store.base import SessionInfo
 from proxy.store.local import LocalStore
-from proxy.store.memory import MemoryStore
+from proxy.store.memory.store import MemoryStore
 from proxy.web.activity import Activity, pin_line, toml_string
 from proxy.web.counters import ZERO, Reading, Totals, read_counters
 from proxy.web.history import History

@@ -24,7 +24,7 @@ from tests.agents import Agent, Drift, Turn
 from tests.demo.run import agent_system, now_stamp, sdk_post, timestamp_in_system
 
 BREAK = re.compile(r"^(?P<reason>\w+) at (?P<where>\S+) offset=\d+ length=\d+ shape=(?P<shape>.*) hint=(?P<hint>.*)$")
-"""The ``x-kvwarm-break`` response header (see ``proxy/report.py``)."""
+"""The ``x-kvwarm-break`` response header (see ``proxy/request/report.py``)."""
 
 
 _LINE = re.compile(r"\(line (\d+)\)")
