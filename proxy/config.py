@@ -37,7 +37,7 @@ SHIPPED_PRICES = ("defaults", "prices.toml")
 """The price table shipped as package data: its path inside the ``proxy`` package."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -61,7 +61,7 @@ class ServerSettings:
     shared store (``store.backend`` a Redis URL); the connection limits then hold per worker."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UpstreamSettings:
     base_url: tuple[str, ...] = ("https://api.openai.com/v1",)
     """One base URL, or several: a pool of replicas of one model server, balanced by
@@ -130,7 +130,7 @@ def proxy_environment(env: Mapping[str, str]) -> dict[str, str]:
     return found
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StoreSettings:
     backend: str = "sqlite:var/kvwarm.db"
     """``memory``, ``sqlite:PATH`` (relative to the working directory), or a shared Redis:
@@ -157,7 +157,7 @@ class StoreSettings:
     """Prefix of every Redis key (several kvwarm deployments may share one Redis)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RepairSettings:
     enabled: bool = True
     """Off: kvwarm only observes (fingerprints, diagnoses, measures) and forwards bytes unchanged."""
@@ -177,7 +177,7 @@ ROUTING_POLICIES = ("prefix", "round_robin", "least_inflight")
 PROMPT_CACHE_KEY_MODES = ("", "session")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoutingSettings:
     """How a pool of upstream replicas (several ``upstream.base_url``) shares the requests."""
 
@@ -216,7 +216,7 @@ class RoutingSettings:
     (``<key>-1``, ...)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MetricsSettings:
     enabled: bool = True
     path: str = "/metrics"
@@ -243,7 +243,7 @@ class MetricsSettings:
         return parse_prices(shipped.read_bytes(), "the shipped price table")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KeepaliveSettings:
     """Opt-in keep-alive of paused sessions' cached prefixes (proxy/keepalive/): shortly before a
     prefix kvwarm marked would expire, one minimal request re-reads it, when the tenant's own
@@ -264,18 +264,18 @@ class KeepaliveSettings:
     """Sessions watched at once (each holds its last request's bytes while pings may follow)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AdminSettings:
     token: str = ""
     """Bearer token for /kvwarm/ from non-loopback clients. Empty: loopback only."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LogSettings:
     level: str = "INFO"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     upstream: UpstreamSettings = field(default_factory=UpstreamSettings)

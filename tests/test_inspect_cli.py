@@ -22,12 +22,12 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy.ops import inspect_cli, sessions
 from proxy.config import Settings, load_settings
 from proxy.core import transcript_md
 from proxy.core.identity import message_identity, tools_identity
 from proxy.core.match import chain, tenant_root
 from proxy.errors import TranscriptFormatError
+from proxy.ops import inspect_cli, sessions
 from proxy.sim.render import render_tokens
 from proxy.store.base import Node, SessionTotals
 from proxy.store.local import LocalStore

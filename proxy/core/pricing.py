@@ -125,23 +125,38 @@ class Price:
 _FREE = Price(input=0.0, output=0.0, cached_input=0.0, cache_write=0.0, cache_write_1h=0.0, cache_write_12h=0.0)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(init=False, unsafe_hash=True)  # built for every response (proxy/core/values.py)
 class Cost:
     """What one response cost, and what the provider's prompt cache saved on it."""
 
-    usd: float | None
+    usd: Final[float | None]
     """``None`` = unpriced (unknown model, or no token counts); never 0 for unknown."""
-    billed: bool
+    billed: Final[bool]
     """True when taken from the provider's billing block rather than estimated."""
-    read_saving_usd: float | None = None
+    read_saving_usd: Final[float | None]
     """What the cache reads saved against the input price: cached tokens x (input - cached
     price). ``None``: no price, or the cached count is unknown."""
-    write_premium_usd: float | None = None
+    write_premium_usd: Final[float | None]
     """What the cache writes cost above the input price: written tokens x (write - input price),
     each TTL at its own price. ``None``: no price, or the provider reported no write count."""
-    saving_per_cached_token: float = 0.0
+    saving_per_cached_token: Final[float]
     """USD one cached token saved at this model's prices (0 when unpriced): a part of the cached
     tokens (those a repair rescued) saved that many times this."""
+
+    def __init__(
+        self,
+        *,
+        usd: float | None,
+        billed: bool,
+        read_saving_usd: float | None = None,
+        write_premium_usd: float | None = None,
+        saving_per_cached_token: float = 0.0,
+    ) -> None:
+        self.usd = usd
+        self.billed = billed
+        self.read_saving_usd = read_saving_usd
+        self.write_premium_usd = write_premium_usd
+        self.saving_per_cached_token = saving_per_cached_token
 
     @property
     def cache_saving_usd(self) -> float | None:

@@ -56,7 +56,7 @@ UNKNOWN_TTL: Final = "unknown"
 """The bucket of written tokens whose TTL the provider did not say."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(init=False, unsafe_hash=True)  # built for every response (proxy/core/values.py)
 class Usage:
     """Token counts (and the billed cost, when a provider bills) of one response.
 
@@ -64,32 +64,61 @@ class Usage:
     wrong place would go unnoticed. A field not given is not known.
     """
 
-    prompt_tokens: int | None = None
+    prompt_tokens: Final[int | None]
     """All prompt tokens, cached and written ones included (normalized across shapes)."""
-    completion_tokens: int | None = None
+    completion_tokens: Final[int | None]
     """Generated tokens, reasoning tokens included."""
-    cached_tokens: int | None = None
+    cached_tokens: Final[int | None]
     """Prompt tokens read from the provider's cache; ``None`` = not reported (unknown)."""
-    cache_write_tokens: int | None = None
+    cache_write_tokens: Final[int | None]
     """Prompt tokens written to the provider's cache, every TTL; ``None`` = not reported
     (unknown). Never less than the TTL split below adds up to, when read from a response."""
-    cache_write_5m_tokens: int | None = None
+    cache_write_5m_tokens: Final[int | None]
     """Of ``cache_write_tokens``, those written for 5 minutes (Anthropic), when reported."""
-    cache_write_1h_tokens: int | None = None
+    cache_write_1h_tokens: Final[int | None]
     """Those written for an hour (Anthropic), when reported."""
-    cache_write_30m_tokens: int | None = None
+    cache_write_30m_tokens: Final[int | None]
     """Those written for 30 minutes (OpenAI), when reported."""
-    cache_write_12h_tokens: int | None = None
+    cache_write_12h_tokens: Final[int | None]
     """Those written for 12 hours (OpenAI), when reported."""
-    reasoning_tokens: int | None = None
+    reasoning_tokens: Final[int | None]
     """The part of ``completion_tokens`` spent on reasoning, when reported."""
-    billed_usd: float | None = None
+    billed_usd: Final[float | None]
     """What the provider charged (``openhuman.billing.charged_amount_usd``, OpenRouter ``usage.cost``)."""
-    source: str = "openai"
+    source: Final[str]
     """The shape the cached count came from: ``openai``, ``openhuman``, ``anthropic``,
     ``deepseek`` or ``llamacpp``; ``openai`` when there is no cached count."""
-    timings: Mapping[str, float] | None = None
+    timings: Final[Mapping[str, float] | None]
     """llama.cpp's ``timings`` block (``cache_n``, ``prompt_n``, ``prompt_ms``, ...), numbers only."""
+
+    def __init__(
+        self,
+        *,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+        cached_tokens: int | None = None,
+        cache_write_tokens: int | None = None,
+        cache_write_5m_tokens: int | None = None,
+        cache_write_1h_tokens: int | None = None,
+        cache_write_30m_tokens: int | None = None,
+        cache_write_12h_tokens: int | None = None,
+        reasoning_tokens: int | None = None,
+        billed_usd: float | None = None,
+        source: str = "openai",
+        timings: Mapping[str, float] | None = None,
+    ) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
+        self.cached_tokens = cached_tokens
+        self.cache_write_tokens = cache_write_tokens
+        self.cache_write_5m_tokens = cache_write_5m_tokens
+        self.cache_write_1h_tokens = cache_write_1h_tokens
+        self.cache_write_30m_tokens = cache_write_30m_tokens
+        self.cache_write_12h_tokens = cache_write_12h_tokens
+        self.reasoning_tokens = reasoning_tokens
+        self.billed_usd = billed_usd
+        self.source = source
+        self.timings = timings
 
     def writes_by_ttl(self) -> list[tuple[str, int]]:
         """The written tokens by TTL bucket (:data:`WRITE_TTLS`): each reported bucket, and the
@@ -179,15 +208,24 @@ def _extract(obj: Mapping[str, Any]) -> Usage | None:
     )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(init=False, unsafe_hash=True)  # built for every usage block read
 class _CacheWrites:
     """The cache-write counts of one usage block: the total and its split by TTL."""
 
-    total: int | None
-    ttl_5m: int | None
-    ttl_1h: int | None
-    ttl_30m: int | None
-    ttl_12h: int | None
+    total: Final[int | None]
+    ttl_5m: Final[int | None]
+    ttl_1h: Final[int | None]
+    ttl_30m: Final[int | None]
+    ttl_12h: Final[int | None]
+
+    def __init__(
+        self, *, total: int | None, ttl_5m: int | None, ttl_1h: int | None, ttl_30m: int | None, ttl_12h: int | None
+    ) -> None:
+        self.total = total
+        self.ttl_5m = ttl_5m
+        self.ttl_1h = ttl_1h
+        self.ttl_30m = ttl_30m
+        self.ttl_12h = ttl_12h
 
     @staticmethod
     def read(usage: Mapping[str, Any], details: Mapping[str, Any]) -> _CacheWrites:

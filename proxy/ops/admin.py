@@ -75,7 +75,7 @@ MARKDOWN = "text/markdown"
 PROXY_HEADERS = (hdrs.FORWARDED, hdrs.X_FORWARDED_FOR, "X-Real-IP")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Access:
     tenant: bytes | None
     """The only tenant whose sessions may be seen; None: every tenant."""
@@ -111,20 +111,20 @@ def decide_access(
     token = settings.admin.token
     presented = _bearer(headers.get(hdrs.AUTHORIZATION, ""))
     if token and presented is not None and hmac.compare_digest(presented.encode(), token.encode()):
-        return Access(None, "admin-token")
+        return Access(tenant=None, why="admin-token")
     local = is_loopback(remote) and not any(h in headers for h in PROXY_HEADERS)
     tenant_header = settings.store.tenant_header
     credential = tenant_credential(headers, tenant_header)
     if credential:
         if local or (token and not tenant_header and not settings.upstream.api_key):
-            return Access(tenant_root(secret(), credential), "tenant")
+            return Access(tenant=tenant_root(secret(), credential), why="tenant")
         if not token:
             raise AdminUnauthorized(
                 "the kvwarm admin API answers loopback clients only; set admin.token to open it"
             )
         raise AdminUnauthorized("this credential does not open the kvwarm admin API from this address")
     if local:
-        return Access(None, "loopback")
+        return Access(tenant=None, why="loopback")
     raise AdminUnauthorized("the kvwarm admin API needs 'Authorization: Bearer <admin.token>' from this address")
 
 

@@ -213,7 +213,7 @@ def session_json(transcript: Transcript) -> bytes:
 # -- export ----------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ExportReport:
     written: list[Path] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
@@ -296,7 +296,7 @@ def rechain(nodes: Sequence[Node], root: bytes) -> list[Node]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ImportOutcome:
     leaf: bytes
     """The session id under the tenant it was imported to."""
@@ -432,7 +432,7 @@ async def import_file(
     return await import_transcript(store, transcript, root)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ImportReport:
     imported: list[tuple[Path, ImportOutcome]] = field(default_factory=list)
     refused: list[tuple[Path, str]] = field(default_factory=list)

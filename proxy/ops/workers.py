@@ -112,7 +112,7 @@ PARENT_CHECK = 1.0
 BACKLOG = 128
 EXIT_CONFIG = 2
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-PACKAGE_INIT = Path(__file__).resolve().with_name("__init__.py")
+PACKAGE_INIT = Path(__file__).resolve().parent.parent / "__init__.py"
 """The ``proxy`` package this supervisor runs: its workers import this very file."""
 WORKER_BOOT = (
     "import importlib.util, sys\n"
@@ -228,7 +228,7 @@ class InheritedSite(GuardedSite):
 # -- the worker ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerOrders:
     """What the supervisor tells a worker, on its stdin (JSON)."""
 
@@ -337,7 +337,7 @@ def worker_command() -> list[str]:
     return [sys.executable, "-P", "-c", WORKER_BOOT, str(PACKAGE_INIT)]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Outcome:
     """How one worker of a slot ended."""
 
@@ -502,14 +502,14 @@ class Supervisor:
         try:
             proc, ready = await self._spawn(slot)
         except OSError as exc:  # its sockets (the port taken meanwhile), its process (no memory...)
-            return Outcome(None, False, 1, time.monotonic() - started, error=str(exc))
+            return Outcome(pid=None, ready=False, code=1, lived=time.monotonic() - started, error=str(exc))
         code = await proc.wait()
         self.procs.pop(slot, None)
         self._forget(proc.pid)
         if self._stop.is_set() and code not in (0, -signal.SIGTERM):
             log.warning("worker %d (slot %d) stopped with %s", proc.pid, slot, _describe(code))
             self._unclean = True
-        return Outcome(proc.pid, ready, code, time.monotonic() - started)
+        return Outcome(pid=proc.pid, ready=ready, code=code, lived=time.monotonic() - started)
 
     async def _spawn(self, slot: int) -> tuple[asyncio.subprocess.Process, bool]:
         """Start a worker in ``slot`` on fresh sockets; once it is running, wait until it is ready
@@ -556,7 +556,7 @@ class Supervisor:
             os.close(ready)
             for sock in sockets:
                 sock.close()
-        return proc, WorkerOrders(self.settings, fds, ready, os.getpid(), slot)
+        return proc, WorkerOrders(settings=self.settings, sockets=fds, ready=ready, parent=os.getpid(), slot=slot)
 
     async def _ready(self, proc: asyncio.subprocess.Process, slot: int, read_end: int) -> bool:
         """Wait for the worker's byte on the ready pipe: False when it exited (or hung) first."""

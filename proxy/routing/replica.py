@@ -19,7 +19,7 @@ from .health import Health
 __all__ = ["Replica", "replica_labels"]
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Replica:
     """One upstream replica and its live state (the event loop's only: no locking)."""
 

@@ -91,7 +91,7 @@ class Router:
             raise ValueError("a pool needs at least one upstream")
         labels = replica_labels([s.base_url for s in senders])
         self.replicas = tuple(
-            Replica(i, sender, label, Health(settings.eject_errors, settings.eject_window, settings.eject_seconds))
+            Replica(index=i, sender=sender, label=label, health=Health(settings.eject_errors, settings.eject_window, settings.eject_seconds))
             for i, (sender, label) in enumerate(zip(senders, labels, strict=True))
         )
         self.pooled = len(self.replicas) > 1
@@ -268,10 +268,10 @@ class Route:
                 replica.health.cancel(trial)
                 raise
             router.sent(replica)
-            return Lease(router, self.plan, replica, response, outgoing, trial)
+            return Lease(router=router, plan=self.plan, replica=replica, response=response, outgoing=outgoing, trial=trial)
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Lease(Generic[OutT]):
     """A request sent to a replica, until its response is over (``with`` frees the slot)."""
 

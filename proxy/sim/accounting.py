@@ -42,7 +42,7 @@ LONG_WRITE_PRICE = {ANTHROPIC: 2.0}
 """A write with the long TTL, as a multiple of ``price_input``, where it differs."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Accounting:
     """Token counts of one exchange."""
 

@@ -71,7 +71,7 @@ def prefix_digests(data: bytes, lengths: Iterable[int]) -> dict[int, bytes]:
     return digests
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Entry:
     length: int
     ttl: float
@@ -160,7 +160,7 @@ class BreakpointCache:
         if entry is not None:
             self._forget(ident, "expired")
         self._purge_expired(now)
-        self._entries[ident] = _Entry(length, ttl, now)
+        self._entries[ident] = _Entry(length=length, ttl=ttl, last_used=now)
         self._tokens += length
         self._fates.pop(ident, None)
         if self.window is not None:

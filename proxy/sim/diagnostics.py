@@ -51,7 +51,7 @@ Settings = tuple[tuple[str, str], ...]
 """``(reason, value)`` pairs: the reason a miss is put down to when that value changed."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Fingerprint:
     """What a later request is compared with: one response's cache-relevant facts."""
 

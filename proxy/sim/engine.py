@@ -31,7 +31,7 @@ from .render import Segment, encode_segments
 from .state import SimConfig, SimState
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CacheUse:
     """What one prompt read from and wrote to the cache."""
 
@@ -54,7 +54,7 @@ def prefill(state: SimState, prompt: Prompt) -> CacheUse:
         return _prefill_breakpoints(state, prompt.plan, now)
     cached = state.cache.lookup(prompt.tokens, now, prompt.hashes)
     state.cache.insert(prompt.tokens, now, prompt.hashes)
-    return CacheUse(cached)
+    return CacheUse(cached=cached)
 
 
 def time_to_first_token(config: SimConfig, prompt_tokens: int, cached_tokens: int) -> float:
@@ -109,7 +109,7 @@ def _prefill_breakpoints(state: SimState, plan: CachePlan, now: float) -> CacheU
             boundaries=tuple((offset, digests[offset]) for offset in ends),
             written=tuple((write.offset, digests[write.offset]) for write in plan.writes),
         )
-    return CacheUse(cached, written, written_long, diagnostics, fingerprint)
+    return CacheUse(cached=cached, written=written, written_long=written_long, diagnostics=diagnostics, fingerprint=fingerprint)
 
 
 def _write(

@@ -21,7 +21,7 @@ from aiohttp import web
 FAULT_HEADER = "x-sim-fault"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Faults:
     """The faults one request asked for with ``x-sim-fault``."""
 

@@ -37,7 +37,7 @@ _BODY = 2
 """A message's body: its third segment."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Block:
     """One block of a prompt."""
 
@@ -148,8 +148,8 @@ def _blocks(
             ends.append((length, source))
     outer = () if whole is None else (whole,)
     if not ends:
-        return [Block(message, role, segment, length, True, outer)]
-    blocks = [Block(message, role, segment, end, False, (source,)) for end, source in ends[:-1]]
+        return [Block(message=message, role=role, segment=segment, end=length, closes=True, sources=outer)]
+    blocks = [Block(message=message, role=role, segment=segment, end=end, closes=False, sources=(source,)) for end, source in ends[:-1]]
     last = ends[-1]
-    blocks.append(Block(message, role, segment, last[0], True, (last[1], *outer)))
+    blocks.append(Block(message=message, role=role, segment=segment, end=last[0], closes=True, sources=(last[1], *outer)))
     return blocks

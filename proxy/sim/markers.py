@@ -94,7 +94,7 @@ class MarkerError(InputError):
     """A marker or a cache option the provider refuses."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Write:
     """One prefix a request writes."""
 
@@ -106,7 +106,7 @@ class Write:
     """Written with the long TTL (``12h``, ``1h``): billed and reported apart."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CachePlan:
     """What one request asks of the breakpoint cache."""
 
@@ -164,7 +164,7 @@ def plan(
     if mode == ANTHROPIC:
         writes, looked = _anthropic(request, layout)
         key = _digest(model.encode())
-        return CachePlan(key, _writable(writes, length), looked, data, length)
+        return CachePlan(key=key, writes=_writable(writes, length), reads=looked, data=data, length=length)
     options = _options(request)
     writes, reads = _openai(options, layout, implicit_ttl)
     pck = request.get("prompt_cache_key")
@@ -172,11 +172,11 @@ def plan(
     key = _digest(model.encode(), (pck if isinstance(pck, str) else "").encode(), routing)
     comparison = options.get("comparison_response_id") if responses else None
     return CachePlan(
-        key,
-        _writable(writes, length),
-        reads,
-        data,
-        length,
+        key=key,
+        writes=_writable(writes, length),
+        reads=reads,
+        data=data,
+        length=length,
         boundaries=tuple(layout.message_ends()) if responses else (),
         options=_echo(options, comparison) if responses else None,
         comparison_id=comparison if isinstance(comparison, str) else None,
@@ -194,7 +194,7 @@ def _openai(
         if marker is None or block.role in ("assistant", "tools"):
             continue
         ttl = marker.get("ttl", request_ttl)
-        explicit.append(Write(layout.offset(index), OPENAI_TTLS[ttl], ttl == OPENAI_LONG_TTL))
+        explicit.append(Write(offset=layout.offset(index), ttl=OPENAI_TTLS[ttl], long=ttl == OPENAI_LONG_TTL))
     explicit = _distinct(explicit)
     if options.get("mode") == "explicit":
         return explicit[-OPENAI_WRITES:], None if explicit else ()
@@ -204,7 +204,7 @@ def _openai(
         if block.closes and block.role in _READERS:
             ttl = OPENAI_TTLS[request_ttl] if implicit_ttl is None else implicit_ttl
             long = implicit_ttl is None and request_ttl == OPENAI_LONG_TTL
-            writes.append(Write(layout.offset(index), ttl, long))
+            writes.append(Write(offset=layout.offset(index), ttl=ttl, long=long))
             break
     return writes, None
 
@@ -226,7 +226,7 @@ def _anthropic(request: Mapping[str, Any], layout: Layout) -> tuple[list[Write],
     writes = []
     for index, marker in marked.items():
         ttl = marker.get("ttl", "5m")
-        writes.append(Write(layout.offset(index), ANTHROPIC_TTLS[ttl], ttl == ANTHROPIC_LONG_TTL))
+        writes.append(Write(offset=layout.offset(index), ttl=ANTHROPIC_TTLS[ttl], long=ttl == ANTHROPIC_LONG_TTL))
     looked = {j for i in marked for j in range(max(0, i - ANTHROPIC_LOOKBACK), i + 1)}
     reads = {layout.offset(j) for j in looked}
     return writes, tuple(sorted(n for n in reads if n >= MIN_PREFIX_TOKENS))

@@ -60,8 +60,8 @@ def plan_message_turn(
     thought = reasoning_text(rng) if reasoning or wants_thinking(request) else None
     calls = _calls(request, seed, tool_calls)
     if calls:
-        return Turn(thought, None, None, calls)
-    return Turn(thought, None, reply_text(rng, reply_tokens), ())
+        return Turn(reasoning=thought, summary=None, text=None, calls=calls)
+    return Turn(reasoning=thought, summary=None, text=reply_text(rng, reply_tokens), calls=())
 
 
 def wants_thinking(request: Mapping[str, Any]) -> bool:
@@ -110,10 +110,10 @@ def _calls(request: Mapping[str, Any], seed: bytes, width: int) -> tuple[Call, .
         tools = [tool for tool in tools if tool[0] == choice.get("name")][:1]
     return tuple(
         Call(
-            "function_call",
-            _tool_use_id(seed, index),
-            name,
-            _compact(harmless_arguments(name, schema)),
+            kind="function_call",
+            call_id=_tool_use_id(seed, index),
+            name=name,
+            arguments=_compact(harmless_arguments(name, schema)),
         )
         for index, (name, schema) in enumerate(tools[:width])
     )

@@ -28,7 +28,7 @@ from .sealed import seal
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Outputs:
     """A turn's output items: as the client sees them, and as the provider keeps them."""
 
@@ -68,7 +68,7 @@ def output_items(turn: Turn, include: Any) -> Outputs:
         item = _call_item(call.kind, call.call_id, call.name, call.arguments)
         public.append(item)
         stored.append(item)
-    return Outputs(public, stored)
+    return Outputs(public=public, stored=stored)
 
 
 def _call_item(kind: str, call_id: str, name: str, arguments: str) -> dict[str, Any]:

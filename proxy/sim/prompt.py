@@ -43,7 +43,7 @@ class InvalidJSON(ValueError):
     """The request body is not JSON."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Prompt:
     """A parsed request and its rendered prompt."""
 

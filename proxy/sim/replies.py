@@ -59,7 +59,7 @@ _REASONING = (
 _WORD = re.compile(r"\S+\s*|\s+")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ToolCall:
     """One generated tool call."""
 
@@ -69,7 +69,7 @@ class ToolCall:
     """The argument string exactly as generated (compact JSON)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Reply:
     """One generated assistant message."""
 
@@ -120,8 +120,8 @@ def make_reply(
             )
             for index, (name, parameters) in enumerate(tools)
         )
-        return Reply(None, reasoning_content, calls, "tool_calls")
-    return Reply(reply_text(rng, reply_tokens), reasoning_content, (), "stop")
+        return Reply(content=None, reasoning_content=reasoning_content, tool_calls=calls, finish_reason="tool_calls")
+    return Reply(content=reply_text(rng, reply_tokens), reasoning_content=reasoning_content, tool_calls=(), finish_reason="stop")
 
 
 def sample_arguments(schema: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 DEFAULT_CAPACITY = 1000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StoredResponse:
     """One stored response."""
 

@@ -176,11 +176,11 @@ async def _answer(
     outputs = output_items(turn, parsed.get("include"))
     model = parsed.get("model")
     header = _Header(
-        new_id("resp_"),
-        int(time.time()),
-        model if isinstance(model, str) and model else MODEL_ID,
-        prompt.plan.options if prompt.plan is not None else None,
-        use.diagnostics,
+        id=new_id("resp_"),
+        created_at=int(time.time()),
+        model=model if isinstance(model, str) and model else MODEL_ID,
+        cache_options=prompt.plan.options if prompt.plan is not None else None,
+        diagnostics=use.diagnostics,
     )
     completed = header.response(parsed, "completed", outputs.public, accounting.response_usage())
     if state.config.openhuman:
@@ -191,7 +191,7 @@ async def _answer(
         if use.fingerprint is not None:
             state.fingerprints.put(header.id, use.fingerprint)
         if parsed.get("store") is not False:
-            stored = StoredResponse(header.id, tuple(items), tuple(outputs.stored), completed)
+            stored = StoredResponse(id=header.id, effective_input=tuple(items), output=tuple(outputs.stored), public=completed)
             state.responses.put(stored)
 
     faults = steering.faults
@@ -210,7 +210,7 @@ async def _answer(
     return json_response(completed, compress=steering.gzip)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Header:
     """What every version of one response shares: id, creation time, model, cache report."""
 

@@ -54,7 +54,7 @@ _COMMAND_PROPERTIES = ("cmd", "command")
 _SUMMARY_MODES = frozenset({"auto", "concise", "detailed"})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Call:
     """One tool call the model makes."""
 
@@ -68,7 +68,7 @@ class Call:
     shell call's ``action``."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Turn:
     """What the model generates for one Responses request."""
 
@@ -102,8 +102,8 @@ def plan_turn(
             summary = "**Thinking it through**\n\n" + thought.split(". ")[0].rstrip(".") + "."
     calls = _calls(request, items, seed, tool_calls)
     if calls:
-        return Turn(thought, summary, None, calls)
-    return Turn(thought, summary, _text(request, rng, reply_tokens), ())
+        return Turn(reasoning=thought, summary=summary, text=None, calls=calls)
+    return Turn(reasoning=thought, summary=summary, text=_text(request, rng, reply_tokens), calls=())
 
 
 def wants_reasoning(request: Mapping[str, Any]) -> bool:
@@ -165,19 +165,19 @@ def _calls(
     if tools:
         return tuple(
             Call(
-                "function_call",
-                _call_id(seed, index),
-                name,
-                _compact(harmless_arguments(name, parameters)),
+                kind="function_call",
+                call_id=_call_id(seed, index),
+                name=name,
+                arguments=_compact(harmless_arguments(name, parameters)),
             )
             for index, (name, parameters) in enumerate(tools[:width])
         )
     offered = _offered_tools(request, items)
     if any(tool.get("type") == "custom" and tool.get("name") == "exec" for tool in offered):
-        return (Call("custom_tool_call", _call_id(seed, 0), "exec", CODE_MODE_SOURCE),)
+        return (Call(kind="custom_tool_call", call_id=_call_id(seed, 0), name="exec", arguments=CODE_MODE_SOURCE),)
     if any(tool.get("type") == "local_shell" for tool in offered):
         action = {"type": "exec", "command": list(HARMLESS_COMMAND), "env": {}}
-        return (Call("local_shell_call", _call_id(seed, 0), "local_shell", _compact(action)),)
+        return (Call(kind="local_shell_call", call_id=_call_id(seed, 0), name="local_shell", arguments=_compact(action)),)
     return ()
 
 

@@ -33,7 +33,7 @@ MODEL_ID = "kvwarm-sim"
 """The one model listed; also the ``model`` of replies to requests that name none."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SimConfig:
     """How the reference upstream behaves."""
 
@@ -134,7 +134,7 @@ def breakpoints_for(config: SimConfig) -> BreakpointCache:
     return BreakpointCache(window=window, capacity_tokens=config.kv_capacity_tokens)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ReceivedRequest:
     """One request to a model endpoint, as the reference upstream received it."""
 
@@ -148,7 +148,7 @@ class ReceivedRequest:
     ``"messages.count_tokens"``."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SimState:
     """Everything the reference upstream remembers; lives in the app under :data:`SIM_STATE`."""
 

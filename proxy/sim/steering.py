@@ -32,7 +32,7 @@ MAX_TOOL_CALLS = 16
 DEFAULT_TOOL_CALLS = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Steering:
     """What one request's ``x-sim-*`` headers asked for."""
 

@@ -56,7 +56,7 @@ MAX_PROXY_HEAD: Final = 64 * 1024
 # -- proxies ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Proxy:
     """An HTTP proxy. Compared (and pooled) with its credentials; named without them."""
 
@@ -101,7 +101,7 @@ class Proxy:
         if parts.username is not None:
             credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
             authorization = "Basic " + base64.b64encode(credentials.encode("utf-8")).decode("ascii")
-        return cls(host, port if port is not None else 80, authorization)
+        return cls(host=host, port=port if port is not None else 80, authorization=authorization)
 
 
 def _redacted(url: str) -> str:
@@ -113,7 +113,7 @@ def _redacted(url: str) -> str:
     return f"{scheme}{sep}{rest}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NoProxy:
     """The hosts reached without a proxy (``NO_PROXY`` syntax). An entry that is neither
     ``*``, an address, a range nor a name matches nothing (as curl and requests ignore it)."""
@@ -142,7 +142,7 @@ class NoProxy:
             name = host.lower().lstrip("*").strip(".")
             if name:
                 names.append((name, port))
-        return cls(everything, tuple(names), tuple(networks))
+        return cls(everything=everything, names=tuple(names), networks=tuple(networks))
 
     def bypasses(self, host: str, port: int) -> bool:
         """``host:port`` is reached directly."""
@@ -181,7 +181,7 @@ def _network(host: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
 # -- routes ----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Route:
     """How connections to an origin are opened and kept. The transport pools connections by
     origin and route: a connection opened through one proxy is never used for another, nor
@@ -198,7 +198,7 @@ class Route:
 DIRECT: Final = Route()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Egress:
     """Which route each upstream URL takes, decided once from the settings."""
 
@@ -238,7 +238,7 @@ class Egress:
         port = url.port if url.port is not None else (443 if tls else 80)
         if proxy is not None and self.no_proxy.bypasses(host, port):
             proxy = None
-        return Route(proxy, self.tls, self.idle_timeout)
+        return Route(proxy=proxy, tls=self.tls, idle_timeout=self.idle_timeout)
 
 
 # -- TLS -----------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ Every request runs through this module three times: its headers are filtered on 
 (:func:`forward_request_headers`) and written into a request head (:func:`request_head`); the
 response is parsed by ``httptools`` calling back into a :class:`Connection` and buffered in
 its :class:`Body`; its headers are filtered on the way down (:func:`forward_response_headers`).
-None of it is a coroutine, so all of it is compiled: as plain Python it was about 900
-interpreted opcodes per request. A body chunk that has not arrived is waited for on a future
+None of it is a coroutine, so all of it is compiled (it runs for every request and every
+chunk). A body chunk that has not arrived is waited for on a future
 (:meth:`Body.read_chunk`), not in a coroutine; what waits in coroutines (taking a connection,
 the response's headers) stays plain Python in :mod:`proxy.transport.pool`.
 """

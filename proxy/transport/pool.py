@@ -95,7 +95,7 @@ connections after responses (llama.cpp's server does after every stream, though 
 written into one just as the server closes it would fail, since it is never sent twice."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Origin:
     """Where connections go: ``scheme://host:port``."""
 
@@ -107,7 +107,7 @@ class Origin:
     def of(cls, url: URL) -> Origin:
         """The origin of ``url`` (``http`` or ``https``; the scheme's port when it names none)."""
         tls = url.scheme == "https"
-        return cls(url.raw_host or "", url.port if url.port is not None else (443 if tls else 80), tls)
+        return cls(host=url.raw_host or "", port=url.port if url.port is not None else (443 if tls else 80), tls=tls)
 
     @property
     def host_header(self) -> str:

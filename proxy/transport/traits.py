@@ -23,7 +23,7 @@ from dataclasses import dataclass
 __all__ = ["UpstreamTraits"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class UpstreamTraits:
     """Learned from responses (the marker rule: configured); read by the planner of the next
     request to the same upstream."""

@@ -34,7 +34,7 @@ _ROLE_OF_REASON = {"system_changed": "system"}
 """The role a reason implies when the caller did not name one."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BreakExample:
     """One distinct break example of a tenant (a snapshot: later repeats do not change it)."""
 
@@ -91,14 +91,14 @@ def pin_line(role: str, hint: str) -> str:
     return f"{key} = [{toml_string(hint)}]"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Seen:
     count: int
     first: float
     last: float
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _TenantLog:
     examples: dict[str, OrderedDict[tuple[str, str, str, str], _Seen]] = field(default_factory=dict)
     """reason -> (where, role, shape, hint) -> seen; least recently seen first."""
@@ -146,7 +146,7 @@ class Activity:
         key = (str(where)[:_MAX_WHERE], role, str(shape)[:_MAX_SHAPE], hint)
         entry = seen.get(key)
         if entry is None:
-            seen[key] = _Seen(1, now, now)
+            seen[key] = _Seen(count=1, first=now, last=now)
             while len(seen) > self.per_reason:
                 seen.popitem(last=False)
         else:
@@ -160,7 +160,7 @@ class Activity:
         for root, log in self._logs(tenant):
             for reason, seen in log.examples.items():
                 for (where, role, shape, hint), s in seen.items():
-                    out.append(BreakExample(root, reason, where, role, shape, hint, s.count, s.first, s.last))
+                    out.append(BreakExample(tenant=root, reason=reason, where=where, role=role, shape=shape, hint=hint, count=s.count, first_seen=s.first, last_seen=s.last))
         out.sort(key=lambda e: e.last_seen, reverse=True)
         return out[: max(0, limit)]
 

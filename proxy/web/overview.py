@@ -65,7 +65,7 @@ PREVIEW_CHARS = 100
 _SPACES = re.compile(r"\s+")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Viewer:
     """Who is looking: the access decision, reduced to what the overview needs."""
 

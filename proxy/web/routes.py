@@ -74,7 +74,7 @@ _SECURITY_HEADERS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Asset:
     body: bytes
     content_type: str
@@ -88,11 +88,11 @@ def _load_assets() -> dict[str, _Asset]:
         suffix = os.path.splitext(entry.name)[1]
         if suffix in _TYPES:
             body = entry.read_bytes()
-            assets[entry.name] = _Asset(body, _TYPES[suffix], '"' + hashlib.sha256(body).hexdigest()[:16] + '"')
+            assets[entry.name] = _Asset(body=body, content_type=_TYPES[suffix], etag='"' + hashlib.sha256(body).hexdigest()[:16] + '"')
     return assets
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Assets:
     by_name: Mapping[str, _Asset]
 
@@ -253,7 +253,7 @@ async def sample_history(app: web.Application) -> AsyncIterator[None]:
 
 def add_web_routes(app: web.Application) -> None:
     """Called by :func:`proxy.app.create_app` once ``app[HISTORY]`` and ``app[ACTIVITY]`` exist."""
-    app[_ASSETS] = _Assets(_load_assets())
+    app[_ASSETS] = _Assets(by_name=_load_assets())
     app[_SESSIONS] = SessionReads()
     app.router.add_get(PAGE_PATH, page)
     app.router.add_get(PAGE_PATH.rstrip("/"), redirect)

@@ -55,17 +55,17 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Keep:
     """Relay the event as received."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Hide:
     """Withhold the event: kvwarm caused it, the client did not ask for it."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Replace:
     """Relay ``raw`` instead of the event's own bytes."""
 

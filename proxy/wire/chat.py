@@ -159,7 +159,7 @@ class ChatObserver:
             return HIDE
         if "usage" in chunk and chunk["usage"] is None:
             stripped = without_null_usage(event.raw, chunk)
-            return Replace(stripped) if stripped is not None else KEEP
+            return Replace(raw=stripped) if stripped is not None else KEEP
         return KEEP
 
     def is_terminal(self, event: SSEEvent) -> bool:

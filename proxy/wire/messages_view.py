@@ -74,7 +74,7 @@ InputTexts = dict[int, dict[int, str]]
 """Per message index, per content block index: a ``tool_use`` input's compact JSON text."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MessagesView:
     """A Messages request as chat-shaped elements, and where each came from."""
 
@@ -289,7 +289,7 @@ def system_view(system: Any) -> tuple[dict[str, Any], tuple[int, ...]] | None:
 
 
 def messages_view(system: Any, messages: Sequence[Any], inputs: InputTexts) -> MessagesView:
-    view = MessagesView([], [])
+    view = MessagesView(messages=[], spans=[])
     head = system_view(system)
     if head is not None:
         view.messages.append(head[0])
@@ -325,11 +325,11 @@ def continued_view(body: Mapping[str, Any], recalled: Recalled, inputs: InputTex
     if body.get("system") == source.top.get("system"):
         if j == 0:
             return None
-        view = MessagesView(list(old[:j]), list(spans[:j]), j)
+        view = MessagesView(messages=list(old[:j]), spans=list(spans[:j]), reused=j)
     else:
         if j <= first:
             return None
-        view = MessagesView([], [])
+        view = MessagesView(messages=[], spans=[])
         head = system_view(body.get("system"))
         if head is not None:
             view.messages.append(head[0])

@@ -103,7 +103,7 @@ INSTRUCTIONS = -1
 """The span of the view message made from ``instructions``."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ItemsView:
     """A Responses input as chat-shaped elements, and where each came from."""
 
@@ -127,7 +127,7 @@ def items_view(instructions: Any, items: Sequence[Any]) -> ItemsView:
         messages.append({"role": "system", "content": _opaque(instructions)})
         spans.append((INSTRUCTIONS,))
     _view_items(items, 0, messages, spans)
-    return ItemsView(messages, spans)
+    return ItemsView(messages=messages, spans=spans)
 
 
 def _view_items(items: Sequence[Any], start: int, messages: list[dict[str, Any]], spans: list[tuple[int, ...]]) -> None:
@@ -182,7 +182,7 @@ def continued_view(body: Mapping[str, Any], items: list[Any], recalled: Recalled
         head = items_view(instructions, ())
         messages, kept, reused = head.messages + old[first:j], head.spans + list(spans[first:j]), 0
     _view_items(items, kept[-1][-1] + 1, messages, kept)
-    return ItemsView(messages, kept, reused)
+    return ItemsView(messages=messages, spans=kept, reused=reused)
 
 
 def _last(span: tuple[int, ...]) -> int:

@@ -59,6 +59,8 @@ def test_the_values_built_per_request_have_compiled_constructors() -> None:
         "proxy.core.record.Reply",
         "proxy.core.breaks.Break",
         "proxy.core.sse.SSEEvent",
+        "proxy.core.usage.Usage",
+        "proxy.core.pricing.Cost",
     ):
         assert name in names
 
@@ -132,7 +134,7 @@ def test_a_copy_made_by_the_constructor_keeps_every_field() -> None:
         tokens=-1, generated=True, partial=True, created=12.5,
     )
     assert node.with_tokens(7) == dataclasses.replace(node, tokens=7)
-    view = ItemsView([{"role": "user", "content": "x"}], [(0,)], 0)
+    view = ItemsView(messages=[{"role": "user", "content": "x"}], spans=[(0,)], reused=0)
     plan = TurnPlan(
         root=b"r" * 16, match=None, repair=NO_REPAIR, brk=None, forwarded={"messages": []}, messages=4,
         spliced=b"spliced", refused="refused", clean=2, tools_clean=True,

@@ -58,7 +58,7 @@ class RecordingObserver:
         if event.data in self.hide:
             return HIDE
         if event.data in self.replace:
-            return Replace(self.replace[event.data])
+            return Replace(raw=self.replace[event.data])
         return KEEP
 
     def is_terminal(self, event: SSEEvent) -> bool:

@@ -92,7 +92,7 @@ class RawUpstream:
     @property
     def origin(self) -> Origin:
         assert self.server is not None
-        return Origin("127.0.0.1", self.server.sockets[0].getsockname()[1], False)
+        return Origin(host="127.0.0.1", port=self.server.sockets[0].getsockname()[1], tls=False)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -1222,14 +1222,14 @@ async def test_the_host_header_names_the_origin_with_its_port(serve: Serve, tran
 @pytest.mark.parametrize(
     ("origin", "host"),
     [
-        (Origin("api.example.com", 80, False), "api.example.com"),
-        (Origin("api.example.com", 443, True), "api.example.com"),
-        (Origin("api.example.com", 443, False), "api.example.com:443"),
-        (Origin("api.example.com", 80, True), "api.example.com:80"),
-        (Origin("10.0.0.1", 8000, False), "10.0.0.1:8000"),
-        (Origin("::1", 8080, False), "[::1]:8080"),
-        (Origin("::1", 80, False), "[::1]"),
-        (Origin("2001:db8::5", 443, True), "[2001:db8::5]"),
+        (Origin(host="api.example.com", port=80, tls=False), "api.example.com"),
+        (Origin(host="api.example.com", port=443, tls=True), "api.example.com"),
+        (Origin(host="api.example.com", port=443, tls=False), "api.example.com:443"),
+        (Origin(host="api.example.com", port=80, tls=True), "api.example.com:80"),
+        (Origin(host="10.0.0.1", port=8000, tls=False), "10.0.0.1:8000"),
+        (Origin(host="::1", port=8080, tls=False), "[::1]:8080"),
+        (Origin(host="::1", port=80, tls=False), "[::1]"),
+        (Origin(host="2001:db8::5", port=443, tls=True), "[2001:db8::5]"),
     ],
 )
 def test_host_header_omits_only_the_default_port_and_brackets_ipv6(origin: Origin, host: str) -> None:
@@ -1313,7 +1313,7 @@ async def test_https_upstream_is_verified_and_kept_alive(tls_upstream: Any, tls_
     tls_ca.configure_trust(client)
     transport = Transport(limit=4, connect_timeout=WAIT, ssl_context=client)
     try:
-        pool = transport.pool(Origin("localhost", tls_upstream.port, True))
+        pool = transport.pool(Origin(host="localhost", port=tls_upstream.port, tls=True))
         for n in range(3):
             response = await transport.request(pool, "POST", "/v1/chat", [], b"hello %d" % n, within=WAIT)
             assert response.status == 200
@@ -1330,7 +1330,7 @@ async def test_an_untrusted_certificate_is_refused_by_default(tls_upstream: Any)
     transport = Transport(limit=4, connect_timeout=WAIT)
     try:
         with pytest.raises(ConnectFailed) as caught:
-            await transport.request(transport.pool(Origin("localhost", tls_upstream.port, True)), "GET", "/v1/models", [], b"", within=WAIT)
+            await transport.request(transport.pool(Origin(host="localhost", port=tls_upstream.port, tls=True)), "GET", "/v1/models", [], b"", within=WAIT)
         assert isinstance(caught.value.__cause__, ssl.SSLCertVerificationError)
     finally:
         await transport.close()

@@ -302,10 +302,10 @@ async def test_connections_are_pooled_by_route_not_only_by_origin(
     proxy to that origin (nor the reverse)."""
     transport = Transport(limit=8, connect_timeout=WAIT)
     try:
-        origin = Origin("127.0.0.1", sim.port, False)
+        origin = Origin(host="127.0.0.1", port=sim.port, tls=False)
         direct = transport.pool(origin)
-        proxied = transport.pool(origin, Route(Proxy("127.0.0.1", egress_proxy.port)))
-        assert direct is not proxied and transport.pool(origin, Route(Proxy("127.0.0.1", egress_proxy.port))) is proxied
+        proxied = transport.pool(origin, Route(proxy=Proxy(host="127.0.0.1", port=egress_proxy.port)))
+        assert direct is not proxied and transport.pool(origin, Route(proxy=Proxy(host="127.0.0.1", port=egress_proxy.port))) is proxied
         before = await egress_proxy.stats()
         for pool in (direct, proxied, direct):
             response = await transport.request(pool, "GET", "/v1/models", [], b"", within=WAIT)
@@ -466,7 +466,7 @@ def test_the_environment_is_read_lowercase_first_and_the_file_and_keys_win(tmp_p
         "http://lower:2", "http://plain:3", "localhost", None
     )
     egress = Egress.of(upstream)
-    assert egress.https == Proxy("lower", 2) and egress.http == Proxy("plain", 3)
+    assert egress.https == Proxy(host="lower", port=2) and egress.http == Proxy(host="plain", port=3)
     assert egress.route(URL("http://localhost:8000/v1")).proxy is None
 
     file = tmp_path / "kvwarm.toml"
@@ -476,7 +476,7 @@ def test_the_environment_is_read_lowercase_first_and_the_file_and_keys_win(tmp_p
     egress = Egress.of(upstream)
     assert egress.https is None and egress.http is None  # "": no proxy, whatever the environment says
     keyed = load_settings(file, env={**env, "KVWARM_UPSTREAM_PROXY": "http://keyed:4"}).upstream
-    assert Egress.of(keyed).https == Proxy("keyed", 4)
+    assert Egress.of(keyed).https == Proxy(host="keyed", port=4)
     assert load_settings(None, env={}).upstream.proxy is None  # unset: the environment's (none here)
 
 
@@ -513,7 +513,7 @@ def test_an_unused_environment_proxy_is_not_checked_when_upstream_proxy_is_set()
 async def test_a_connect_refusal_is_a_proxy_refused_with_the_status(auth_proxy: ProxyProcess) -> None:
     transport = Transport(limit=4, connect_timeout=WAIT)
     try:
-        pool = transport.pool(Origin(NAME, 443, True), Route(Proxy("127.0.0.1", auth_proxy.port)))
+        pool = transport.pool(Origin(host=NAME, port=443, tls=True), Route(proxy=Proxy(host="127.0.0.1", port=auth_proxy.port)))
         with pytest.raises(ProxyRefused) as caught:
             await transport.request(pool, "GET", "/v1/models", [], b"", within=WAIT)
         assert caught.value.status == 407

@@ -17,8 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from proxy.ops import sessions
 from proxy.core import transcript_md
+from proxy.ops import sessions
 from proxy.store.local import LocalStore
 from proxy.store.sqlite.store import SqliteStore
 from tests.test_inspect_cli import filled_store

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy.edge import defences as edge
 from proxy.cli import configure_logging
+from proxy.edge import defences as edge
 from tests.reliability.conftest import exchange, get
 
 KEY = "sk-live-" + "K" * 20_000

@@ -21,10 +21,10 @@ import aiohttp
 import orjson
 from aiohttp.test_utils import TestServer
 
-from proxy.ops import inspect_cli
 from proxy.config import Settings, load_settings
 from proxy.core import transcript_md
 from proxy.core.policy import Policy
+from proxy.ops import inspect_cli
 from tests.conftest import ProxyFactory, received
 from tests.responses.agents import (
     Items,

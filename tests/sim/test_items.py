@@ -111,7 +111,7 @@ def test_an_echoed_turn_renders_exactly_as_generated() -> None:
     """Generation prompt + generated body == the same turn echoed as items (vLLM reuse depends on it)."""
     reasoning = "I should run the command first."
     turn = Turn(
-        reasoning, None, None, (Call("function_call", "call_1", CALL["name"], CALL["arguments"]),)
+        reasoning=reasoning, summary=None, text=None, calls=(Call(kind="function_call", call_id="call_1", name=CALL["name"], arguments=CALL["arguments"]),)
     )
     prompt = render_response_segments("Be brief.", [USER], [EXEC_TOOL])
     generated = encode_segments(prompt + reply_segments(turn.message()))
@@ -125,7 +125,7 @@ def test_an_echoed_turn_renders_exactly_as_generated() -> None:
     assert echoed[: len(generated)] == generated
     assert prompt[-2:] == generation_prompt_segments()
 
-    text_turn = Turn(None, None, "Done.\n", ())
+    text_turn = Turn(reasoning=None, summary=None, text="Done.\n", calls=())
     generated_text = encode_segments(prompt + reply_segments(text_turn.message()))
     message = {
         "type": "message",

@@ -146,7 +146,7 @@ def test_deltas_rebuild_tool_calls_exactly() -> None:
 
 
 def test_message_of_a_text_reply_has_no_tool_calls() -> None:
-    reply = Reply("Hi.\n", None, (), "stop")
+    reply = Reply(content="Hi.\n", reasoning_content=None, tool_calls=(), finish_reason="stop")
     assert reply.message() == {
         "role": "assistant",
         "content": "Hi.\n",
