@@ -407,7 +407,7 @@ async def test_a_failing_report_is_named_in_the_log_line(
 async def test_a_failing_parser_forwards_the_request_untouched(
     sim: TestServer, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("proxy.request.pipeline.WIRES", (BrokenWire(),))
+    monkeypatch.setattr("proxy.request.parser.WIRES", (BrokenWire(),))
     proxy = await make_proxy(sim)
     turns = await run_agent(proxy, 2)
     assert_served_unchanged(turns, sim)
@@ -423,7 +423,7 @@ async def test_a_failing_parser_is_named_in_the_log_line(
     sim: TestServer, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="proxy.request.pipeline")
-    monkeypatch.setattr("proxy.request.pipeline.WIRES", (BrokenWire(),))
+    monkeypatch.setattr("proxy.request.parser.WIRES", (BrokenWire(),))
     proxy = await make_proxy(sim)
     await run_agent(proxy, 1)
     assert [failed_open(line) for line in request_lines(caplog)] == [["parse"]]

@@ -12,6 +12,8 @@ the expected saving exceeds the cost. One concept per module:
 ``bet``        whether a run of pings pays: expected saving against cost (pure)
 ``budget``     USD per rolling day, never exceeded (pure)
 ``ping``       a ping's bytes: the last request cut at its last breakpoint, least output (pure)
+``schedule``   the watched sessions, by key and by due time
+``exchange``   one ping on the wire: made once, sent to the session's replica, its answer read
 ``keeper``     :class:`KeepAlive`: the request path's bookkeeping and the pings themselves
 ``lifecycle``  its app key, its clock and its task (``cleanup_ctx``)
 """

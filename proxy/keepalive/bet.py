@@ -19,16 +19,22 @@ history as it is then: this is a bet re-priced at every step, never a commitment
 
 The odds are the tenant's own pauses (:class:`~proxy.keepalive.gaps.Gaps`), with
 :data:`PRIOR_NEVER` more session that never came back: with no history nothing is sent.
+
+On a watched session (:class:`~proxy.keepalive.watch.Watch`): :func:`decide` prices its next
+ping as it falls due, and :func:`saved` says what its pings came to once it came back (or never
+did).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.pricing import Price
-from .gaps import Gaps
+from ..core.pricing import Price, PriceTable
+from ..core.usage import Usage
+from .gaps import Gaps, TenantGaps
+from .watch import Watch
 
-__all__ = ["MAX_RUN", "PRIOR_NEVER", "Stake", "Timing", "best_run", "stake", "write_bucket"]
+__all__ = ["MAX_RUN", "PRIOR_NEVER", "Stake", "Timing", "best_run", "decide", "saved", "stake", "write_bucket"]
 
 PRIOR_NEVER = 1.0
 """A session that never came back, added to every tenant's history: no history, no ping; one
@@ -107,3 +113,39 @@ def best_run(gaps: Gaps, timing: Timing, stake: Stake) -> tuple[int, float]:
         if value > best:
             best_k, best = k, value
     return best_k, best
+
+
+def decide(watch: Watch, now: float, prices: PriceTable, gaps: TenantGaps, *, lead: float, max_age: float) -> Stake | str:
+    """The stake of the session's next ping when a run of pings from ``now`` pays (a ping goes
+    ``lead`` seconds before the prefix expires, none once the session is quiet past ``max_age``);
+    else why not (``max_age``, ``unpriced``, ``skipped_unprofitable``: the outcome counted)."""
+    elapsed = now - watch.turn_at
+    if elapsed > max_age:
+        return "max_age"
+    price = prices.lookup(watch.model)
+    if price is None:
+        return "unpriced"
+    tenant = gaps.of(watch.root)
+    bet = stake(
+        price, prefix=watch.prefix, tail=watch.tail, output=watch.output, bucket=write_bucket(watch.ttl),
+        read_anyway=tenant.read_anyway,
+    )
+    timing = Timing(
+        elapsed=elapsed, expires=watch.used_at + watch.ttl - watch.turn_at,
+        interval=watch.ttl - lead, ttl=watch.ttl, max_age=max_age,
+    )
+    run, _ = best_run(tenant, timing, bet)
+    return bet if run else "skipped_unprofitable"
+
+
+def saved(watch: Watch, back_at: float | None, usage: Usage | None, prices: PriceTable, gaps: TenantGaps) -> float:
+    """What the session's pings saved, in USD: the write avoided when it came back (at
+    ``back_at``, with ``usage``; None: it never did) after the prefix would have expired, while the
+    pings kept it, and read it; else 0 (their cost was lost)."""
+    kept = back_at is not None and watch.turn_at + watch.ttl < back_at <= watch.used_at + watch.ttl
+    read = usage is not None and usage.cached_tokens is not None and usage.cached_tokens >= watch.prefix
+    price = prices.lookup(watch.model)
+    if kept and read and not watch.missed and price is not None:
+        anyway = gaps.of(watch.root).read_anyway
+        return stake(price, prefix=watch.prefix, tail=0, output=0, bucket=write_bucket(watch.ttl), read_anyway=anyway).saving
+    return 0.0

@@ -13,14 +13,15 @@ O(1) bookkeeping and nothing else:
   says what it read and wrote starts watching its session: a reference to the bytes forwarded,
   the replica that served it, its API's headers and the session's credential (in memory only).
 
-In the background, :meth:`KeepAlive.run` (a task the app owns) wakes when the first watch falls
-due, ``keepalive.lead_seconds`` before its prefix expires, and :meth:`KeepAlive.run_due` decides
-each due ping (:mod:`proxy.keepalive.bet`): quiet past ``max_session_seconds``, unpriced, not
-worth its cost, or not within the budget (:mod:`proxy.keepalive.budget`), and the session's
+The watches are kept by key and by due time (:mod:`proxy.keepalive.schedule`). In the
+background, :meth:`KeepAlive.run` (a task the app owns) wakes when the first watch falls due,
+``keepalive.lead_seconds`` before its prefix expires, and :meth:`KeepAlive.run_due` decides
+each due ping (:func:`proxy.keepalive.bet.decide`): quiet past ``max_session_seconds``, unpriced,
+not worth its cost, or not within the budget (:mod:`proxy.keepalive.budget`), and the session's
 pings end (its credential and bytes are dropped; the watch stays, without them, until its
 horizon, to learn whether the session comes back). Else the ping (:mod:`proxy.keepalive.ping`)
-goes to the replica that served the session, once: a failure costs that ping and nothing more
-(no retry, no error to anyone; counted). Nothing of a ping is recorded as a turn, remembered for
+goes to the replica that served the session, once (:mod:`proxy.keepalive.exchange`): a failure
+costs that ping and nothing more (no retry, no error to anyone; counted). Nothing of a ping is recorded as a turn, remembered for
 routing or counted as a client's request; its tokens and cost have their own metrics.
 
 Time is the injected clock's (the app's default: the event loop's); tests and the bench move it
@@ -31,27 +32,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-import orjson
-
 from .. import __version__
 from ..config import KeepaliveSettings
 from ..core.breakpoints import CACHE_CONTROL, OPENAI
 from ..core.pricing import PriceTable, cost_of
-from ..core.usage import Usage, extract_usage
+from ..core.usage import Usage
 from ..metrics import ProxyMetrics
 from ..transport.http1 import speaks_anthropic
-from .bet import Stake, Timing, best_run, stake, write_bucket
+from .bet import Stake, decide, saved
 from .budget import Budget
+from .exchange import exchange, ping_of, usage_of
 from .gaps import TenantGaps
-from .ping import OUTPUT_LIMITS, api_of, output_limit, ping_body
+from .ping import OUTPUT_LIMITS, api_of
+from .schedule import Schedule
 from .watch import Watch
 
 if TYPE_CHECKING:
@@ -66,14 +65,8 @@ DEFAULT_TTLS = {CACHE_CONTROL: 300.0, OPENAI: 1800.0}
 """A dialect's cache TTL when the usage does not say (Anthropic-style 5 minutes; OpenAI 30)."""
 _TTL_SECONDS = {"5m": 300.0, "1h": 3600.0, "30m": 1800.0, "12h": 43200.0}
 CONCURRENT_PINGS = 16
-PING_TIMEOUT = 120.0
-"""Seconds a ping may take in all (loop time); then it has failed."""
-MAX_ANSWER = 1 << 20
-"""Bytes of a ping's answer read at most (one output token: a few hundred)."""
 MAX_NAP = 60.0
 """Loop seconds the background task sleeps at most before it looks at the clock again."""
-THREAD_BYTES = 256 * 1024
-"""A request larger than this is cut into its ping in a worker thread, off the event loop."""
 MODELS = 64
 """Models whose pings' output is remembered (the least recently pinged forgotten first)."""
 _API_HEADERS = ("anthropic-version", "anthropic-beta", "OpenAI-Organization", "OpenAI-Project", "OpenAI-Beta")
@@ -121,14 +114,15 @@ class KeepAlive:
         """Output tokens the last ping for each model generated: a provider may give more than the
         least a ping asks for (a reasoning model's, one that ignores the limit), and a session's
         first ping is priced on what the model's pings made before."""
-        self.watches: OrderedDict[bytes, Watch] = OrderedDict()
-        """Watched sessions by the key of their last request's last element, oldest turn first."""
-        self._due: list[tuple[float, int, Watch]] = []
-        """(time, tie-breaker, watch): a heap; an entry whose watch moved on or ended is stale."""
-        self._seq = itertools.count()
-        self._wake = asyncio.Event()
+        self.schedule = Schedule()
+        """The watched sessions, by key and by due time (:mod:`proxy.keepalive.schedule`)."""
         self._lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(CONCURRENT_PINGS)
+
+    @property
+    def watches(self) -> OrderedDict[bytes, Watch]:
+        """Watched sessions by the key of their last request's last element, oldest turn first."""
+        return self.schedule.watches
 
     # -- the request path -------------------------------------------------------------------------
 
@@ -142,22 +136,22 @@ class KeepAlive:
         keys = plan.match.keys
         tree = plan.tree
         usage = turn.answer.usage
+        schedule = self.schedule
         if tree is not None and 0 <= tree.previous_end < len(keys):
-            back = self.watches.pop(keys[tree.previous_end], None)
+            back = schedule.pop(keys[tree.previous_end])
             if back is not None:
                 self._came_back(back, arrived, usage)
         watch = self._watch_of(turn, replica, sent, arrived)
         if watch is None:
             return
-        again = self.watches.pop(watch.key, None)  # the same request sent again: the session is back
+        again = schedule.pop(watch.key)  # the same request sent again: the session is back
         if again is not None:
             self._came_back(again, arrived, usage)
-        if len(self.watches) >= self.settings.max_sessions:
-            _, oldest = self.watches.popitem(last=False)
+        if len(schedule) >= self.settings.max_sessions:
+            oldest = schedule.pop_oldest()
             self._settle(oldest, None, None)
             oldest.close()
-        self.watches[watch.key] = watch
-        self._push(watch)
+        schedule.add(watch)
 
     def _watch_of(self, turn: Turn, replica: Replica, sent: bytes, arrived: float) -> Watch | None:
         """The watch of a turn whose cached prefix may be kept warm, else None."""
@@ -204,50 +198,29 @@ class KeepAlive:
         would have expired, while the pings kept it, and read it; else their cost, lost."""
         if not watch.pings:
             return
-        saved = 0.0
-        kept = back_at is not None and watch.turn_at + watch.ttl < back_at <= watch.used_at + watch.ttl
-        read = usage is not None and usage.cached_tokens is not None and usage.cached_tokens >= watch.prefix
-        price = self.prices.lookup(watch.model)
-        if kept and read and not watch.missed and price is not None:
-            anyway = self.gaps.of(watch.root).read_anyway
-            saved = stake(price, prefix=watch.prefix, tail=0, output=0, bucket=write_bucket(watch.ttl), read_anyway=anyway).saving
-        if saved > 0:
-            self.metrics.observe_keepalive_result(saved_usd=saved)
+        usd = saved(watch, back_at, usage, self.prices, self.gaps)
+        if usd > 0:
+            self.metrics.observe_keepalive_result(saved_usd=usd)
         else:
             self.metrics.observe_keepalive_result(lost_usd=watch.spent)
-
-    def _push(self, watch: Watch) -> None:
-        heap = self._due
-        heapq.heappush(heap, (watch.due, next(self._seq), watch))
-        if len(heap) > 2 * len(self.watches) + 64:  # mostly stale: rebuilt, amortized O(1) a push
-            heap[:] = [(w.due, next(self._seq), w) for w in self.watches.values()]
-            heapq.heapify(heap)
-        if heap[0][2] is watch:
-            self._wake.set()
 
     # -- the background ---------------------------------------------------------------------------
 
     def next_due(self) -> float | None:
         """When the first watch falls due (clock time); None: nothing is watched."""
-        heap = self._due
-        while heap and not self._current(heap[0]):
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
-
-    def _current(self, entry: tuple[float, int, Watch]) -> bool:
-        watch = entry[2]
-        return watch.due == entry[0] and self.watches.get(watch.key) is watch
+        return self.schedule.next_due()
 
     async def run(self) -> None:
         """Until cancelled: sleep until the first watch falls due (or a new one comes first), run it."""
+        wake = self.schedule.wake
         while True:
-            self._wake.clear()
-            due = self.next_due()
+            wake.clear()
+            due = self.schedule.next_due()
             delay = MAX_NAP if due is None else due - self.clock()
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(delay, MAX_NAP)):
-                        await self._wake.wait()
+                        await wake.wait()
                 continue
             await self.run_due()
 
@@ -255,19 +228,15 @@ class KeepAlive:
         """Every watch due by now: its ping decided and sent, or its horizon reached."""
         async with self._lock:
             now = self.clock()
-            heap, due = self._due, []
-            while heap and heap[0][0] <= now:
-                entry = heapq.heappop(heap)
-                if self._current(entry):
-                    due.append(entry[2])
+            due = self.schedule.take_due(now)
             if due:
                 await asyncio.gather(*(self._fall_due(watch, now) for watch in due))
 
     async def _fall_due(self, watch: Watch, now: float) -> None:
         if not watch.active or now >= watch.horizon:  # its horizon: it never came back
-            if self.watches.get(watch.key) is not watch:
+            if not self.schedule.watched(watch):
                 return
-            del self.watches[watch.key]
+            self.schedule.pop(watch.key)
             self.gaps.of(watch.root).add_never()
             self._settle(watch, None, None)
             watch.close()
@@ -282,17 +251,15 @@ class KeepAlive:
 
     async def close(self) -> None:
         """Drop every credential and body (at shutdown, once the task is done)."""
-        for watch in self.watches.values():
+        for watch in self.schedule.clear():
             watch.close()
-        self.watches.clear()
-        self._due.clear()
 
     # -- one ping ---------------------------------------------------------------------------------
 
     async def _ping(self, watch: Watch, now: float) -> None:
         decided = self._decide(watch, now)
         if isinstance(decided, Stake):
-            body = await self._body(watch)
+            body = await ping_of(watch)
             if body is None:
                 decided = "unsupported"
             elif watch.output > OUTPUT_LIMITS[watch.api]:
@@ -312,44 +279,16 @@ class KeepAlive:
     def _decide(self, watch: Watch, now: float) -> Stake | str:
         """The stake of the session's next ping when a run of pings from now pays; else why not."""
         settings = self.settings
-        elapsed = now - watch.turn_at
-        if elapsed > settings.max_session_seconds:
-            return "max_age"
-        price = self.prices.lookup(watch.model)
-        if price is None:
-            return "unpriced"
-        gaps = self.gaps.of(watch.root)
-        bet = stake(
-            price, prefix=watch.prefix, tail=watch.tail, output=watch.output, bucket=write_bucket(watch.ttl),
-            read_anyway=gaps.read_anyway,
-        )
-        timing = Timing(
-            elapsed=elapsed, expires=watch.used_at + watch.ttl - watch.turn_at,
-            interval=watch.ttl - settings.lead_seconds, ttl=watch.ttl, max_age=settings.max_session_seconds,
-        )
-        run, _ = best_run(gaps, timing, bet)
-        return bet if run else "skipped_unprofitable"
-
-    async def _body(self, watch: Watch) -> bytes | None:
-        """The session's ping bytes, made once (a large request in a worker thread)."""
-        if watch.body is None and watch.raw:
-            raw, watch.raw = watch.raw, b""
-            if len(raw) > THREAD_BYTES:
-                watch.body = await asyncio.to_thread(ping_body, watch.api, raw, watch.dialect)
-                watch.output = max(watch.output, await asyncio.to_thread(output_limit, watch.api, raw))
-            else:
-                watch.body = ping_body(watch.api, raw, watch.dialect)
-                watch.output = max(watch.output, output_limit(watch.api, raw))
-        return watch.body
+        return decide(watch, now, self.prices, self.gaps, lead=settings.lead_seconds, max_age=settings.max_session_seconds)
 
     async def _send(self, watch: Watch, body: bytes, bet: Stake, now: float) -> None:
         """Send the ping once and count what it read and cost (a failure: that ping, nothing more)."""
         status: int | None = None
         usage: Usage | None = None
         try:
-            status, answer = await self._exchange(watch, body)
+            status, answer = await exchange(watch, body)
             if 200 <= status < 300:
-                usage = _usage_of(answer)
+                usage = usage_of(answer)
         except Exception as exc:  # unreachable, timed out, cut: the ping failed, nobody else did
             log.info("keep-alive ping of a %s session to %s failed: %s", watch.model, watch.replica_label, exc)
         price = self.prices.lookup(watch.model)
@@ -366,13 +305,13 @@ class KeepAlive:
         watch.read(usage, at=now, usd=usd)
         self._learn_output(watch.model, watch.output)
         self.metrics.observe_keepalive("missed" if watch.missed else "sent", model=watch.model, usage=usage, cost=cost)
-        if self.watches.get(watch.key) is not watch:  # the session came back while the ping was out
+        if not self.schedule.watched(watch):  # the session came back while the ping was out
             self.metrics.observe_keepalive_result(lost_usd=usd)
         elif watch.missed:
             self._stop(watch, "")
         else:
             watch.due = now + watch.ttl - self.settings.lead_seconds
-            self._push(watch)
+            self.schedule.push(watch)
 
     def _learn_output(self, model: str, tokens: int) -> None:
         outputs = self.outputs
@@ -381,40 +320,12 @@ class KeepAlive:
         if len(outputs) > MODELS:
             outputs.popitem(last=False)
 
-    async def _exchange(self, watch: Watch, body: bytes) -> tuple[int, bytes]:
-        """The ping's status and answer, read whole (within :data:`PING_TIMEOUT` and :data:`MAX_ANSWER`)."""
-        assert watch.replica is not None and watch.headers is not None
-        sender = watch.replica.sender
-        async with asyncio.timeout(PING_TIMEOUT):
-            response = await sender.send("POST", watch.path, watch.query, dict(watch.headers), body)
-            chunks: list[bytes] = []
-            try:
-                size = 0
-                while chunk := await sender.read_chunk(response):
-                    size += len(chunk)
-                    if size > MAX_ANSWER:
-                        raise ValueError(f"the answer is larger than {MAX_ANSWER} bytes")
-                    chunks.append(chunk)
-            except BaseException:
-                response.close()
-                raise
-            response.release()
-        return response.status, b"".join(chunks)
-
     def _stop(self, watch: Watch, outcome: str) -> None:
         """The session's pings end (``outcome`` counted, when one): credential and bytes dropped; it
         stays watched, without them, until its horizon."""
         if outcome:
             self.metrics.observe_keepalive(outcome, model=watch.model)
         watch.close()
-        if self.watches.get(watch.key) is watch:
+        if self.schedule.watched(watch):
             watch.due = max(watch.horizon, self.clock())
-            self._push(watch)
-
-
-def _usage_of(answer: bytes) -> Usage | None:
-    try:
-        body = orjson.loads(answer)
-    except orjson.JSONDecodeError:
-        return None
-    return extract_usage(body) if type(body) is dict else None
+            self.schedule.push(watch)

@@ -22,7 +22,7 @@ bytes), the relay, and the turn's write to the store. After it (at the end of th
 loop's iteration, in batches with every request answered meanwhile): the metrics and the log
 line (:class:`~proxy.request.report.Reporter`), and the body's layout for the next turn: a
 conversation re-sent byte for byte is parsed and identified only past what it shares with its
-previous body (:mod:`proxy.core.prefix`). Token counts are made as the store keeps them
+previous body (:class:`~proxy.request.parser.Parser`, :mod:`proxy.core.prefix`). Token counts are made as the store keeps them
 (:meth:`~proxy.store.base.AsyncStore.token_counts`, :mod:`proxy.store.tokens`).
 """
 
@@ -39,7 +39,6 @@ from ..config import Settings
 from ..core.breakpoints import OFF, dialect_of, host_rule, tree_facts
 from ..core.identity import IdentityMemo
 from ..core.plan import TurnPlan, turn_write
-from ..core.prefix import PrefixMemo, Recalled
 from ..core.pricing import PriceTable, cost_of
 from ..core.transcript_md import Transcript
 from ..edge.defences import shown_path
@@ -50,13 +49,13 @@ from ..routing import Lease, Router
 from ..store.base import AsyncStore, StoreView
 from ..store.tokens import TokenCounter
 from ..transport.client import Upstream, forward_request_headers
-from ..wire import WIRES
 from ..wire.base import Outgoing, Wire
 from .diagnosis import ProviderDiagnosis, verdict_of
 from .failopen import FailOpen
+from .parser import Parser
 from .relay import Relay, RelayOutcome
 from .report import BreakSink, Reporter, visibility_headers
-from .turn import Forward, Scope, Turn
+from .turn import Forward, Turn
 
 if TYPE_CHECKING:  # the keep-alive imports the edge modules the app imports
     from ..keepalive import KeepAlive
@@ -88,8 +87,9 @@ class Pipeline:
         self.policy = settings.repair.policy()
         self.tenants = TenantRoots(store.secret, settings.store.tenant_header, shared=store.shared)
         self.memo = IdentityMemo()
-        self.resent = PrefixMemo(self.memo)
-        """Each tenant's recent bodies: a re-sent conversation is parsed only past what it shares."""
+        self.parser = Parser(self.memo)
+        """The wire API of each request and its body, parsed only past what a re-sent conversation
+        shares with the tenant's recent bodies (:mod:`proxy.request.parser`)."""
         self.router = Router(settings.routing, upstream.senders, metrics)
         """Which replica takes each request; each replica keeps its own traits (:mod:`proxy.transport.traits`)."""
         for replica in self.router.replicas:
@@ -125,26 +125,12 @@ class Pipeline:
         turn.scope = (self.tenants.of(request.headers), request.method, request.path)
         # Every request's stages: try/except, the guard's boundary at no cost (core/guard.py).
         try:
-            turn.wire, turn.body, turn.recalled = self.parse(request, turn.raw, turn.scope)
+            turn.wire, turn.body, turn.recalled = self.parser.parse(request, turn.raw, turn.scope)
         except Exception as exc:
             turn.guard.fail("parse", exc)
         if turn.body is not None:
             model = turn.body.get("model")
             turn.model = model if isinstance(model, str) else ""
-
-    def parse(
-        self, request: web.Request, raw: bytes, scope: Scope
-    ) -> tuple[Wire | None, dict[str, Any] | None, Recalled | None]:
-        """The wire API that understands this request, and its parsed body: a conversation that
-        continues one of the tenant's recent bodies is parsed only past what they share."""
-        recalled = self.resent.recall(scope, raw)
-        if recalled is not None:
-            return recalled.tag, recalled.body, recalled
-        for wire in WIRES:
-            body = wire.parse(request.method, request.path, raw)
-            if body is not None:
-                return wire, body, None
-        return None, None, None
 
     async def plan(self, turn: Turn) -> None:
         """Match, repair and diagnose against the store's view (complete for a local store; a
@@ -258,7 +244,7 @@ class Pipeline:
         if wire is None or body is None:
             return
         duration = time.perf_counter() - turn.started
-        asyncio.get_running_loop().call_soon(self.remember, turn)
+        asyncio.get_running_loop().call_soon(self.parser.remember, turn)
         try:
             self.reporter.report(wire.name, turn.model, body.get("stream") is True, turn.plan, turn.answer, duration)
         except Exception as exc:
@@ -315,16 +301,6 @@ class Pipeline:
         with guard("store"):  # a shared store may be slow or gone
             async with asyncio.timeout(self.settings.store.timeout):
                 await store.write_turn(write)
-
-    def remember(self, turn: Turn) -> None:
-        """Keep the body, where its messages are and what they are, for the tenant's next turn."""
-        wire, body, plan = turn.wire, turn.body, turn.plan
-        if wire is None or body is None or plan is None or plan.match is None or wire.resends is None:
-            return
-        try:
-            self.resent.remember_plan(turn.scope, turn.raw, body, plan, turn.recalled, tag=wire, array=wire.resends)
-        except Exception as exc:
-            turn.guard.fail("identify", exc)
 
     async def counted_transcript(self, transcript: Transcript) -> Transcript:
         """``transcript`` with every node's token count: those written uncounted are counted now."""

@@ -168,7 +168,7 @@ class UnserializingWire(ChatWire):
 
 
 async def test_a_failing_serialization_forwards_the_original_bytes(sim: TestServer, make_proxy: ProxyFactory, monkeypatch: Any) -> None:
-    monkeypatch.setattr("proxy.request.pipeline.WIRES", (UnserializingWire(),))
+    monkeypatch.setattr("proxy.request.parser.WIRES", (UnserializingWire(),))
     UnserializingWire.failures = 0
     proxy_server = await make_proxy(sim)
     turns = await Agent(poster(proxy_server), drift=args_keys_reordered).run(3)

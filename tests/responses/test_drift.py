@@ -243,7 +243,7 @@ async def test_a_resent_conversation_is_planned_from_the_previous_turn(make_sim:
         await plan(turn)
         plans.append(turn.plan)
 
-    pipeline.resent = Recalling(pipeline.resent)
+    pipeline.parser.resent = Recalling(pipeline.parser.resent)
     pipeline.plan = planning  # type: ignore[method-assign]
     agent = ResponsesAgent(poster(kvwarm), drift=no_drift, parallel=True, reasoning=True)
     await agent.run(6)
@@ -261,7 +261,7 @@ async def test_a_resent_conversation_is_planned_from_the_previous_turn(make_sim:
         def recall(self, scope: Any, raw: bytes) -> Any:
             return None
 
-    whole.app[PIPELINE].resent = Forgetting(whole.app[PIPELINE].resent)
+    whole.app[PIPELINE].parser.resent = Forgetting(whole.app[PIPELINE].parser.resent)
     reference = ResponsesAgent(poster(whole), drift=no_drift, parallel=True, reasoning=True)
     await reference.run(6)
     assert [len(t.request["input"]) for t in agent.turns] == [len(t.request["input"]) for t in reference.turns]
