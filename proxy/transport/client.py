@@ -35,6 +35,7 @@ from .pool import (
     Response,
     Transport,
     TransportError,
+    read_chunk,
 )
 
 __all__ = [
@@ -139,7 +140,7 @@ class ReplicaSender:
     async def read_chunk(self, response: Response) -> bytes:
         """The next body chunk as it arrives (b"" at the end), within the idle timeout."""
         try:
-            return await response.read_chunk(self._settings.idle_timeout)
+            return await read_chunk(response, self._settings.idle_timeout)
         except TimeoutError as exc:
             raise UpstreamTimeout("the upstream stalled mid-response") from exc
         except TransportError as exc:

@@ -6,9 +6,8 @@ Every request runs through this module three times: its headers are filtered on 
 response is parsed by ``httptools`` calling back into a :class:`Connection` and buffered in
 its :class:`Body`; its headers are filtered on the way down (:func:`forward_response_headers`).
 None of it is a coroutine, so all of it is compiled (it runs for every request and every
-chunk). A body chunk that has not arrived is waited for on a future
-(:meth:`Body.read_chunk`), not in a coroutine; what waits in coroutines (taking a connection,
-the response's headers) stays plain Python in :mod:`proxy.transport.pool`.
+chunk). Whatever waits is a coroutine in :mod:`proxy.transport.pool`: taking a connection, the
+response's headers, a body chunk that has not arrived (:func:`~proxy.transport.pool.read_chunk`).
 """
 
 from __future__ import annotations
@@ -206,18 +205,18 @@ class Malformed(TransportError):
 
 
 class Body:
-    """One upstream response: status and headers at once, the body read with :meth:`read_chunk`
-    as it arrives. ``release()`` once the body was read to its end returns the connection to
+    """One upstream response: status and headers at once, the body read as it arrives
+    (:func:`proxy.transport.pool.read_chunk`: :meth:`take` what arrived, else wait for
+    :meth:`arrival`). ``release()`` once the body was read to its end returns the connection to
     the pool; ``close()`` (any time) closes it.
 
     A gzip or deflate body is decoded as it is read, at most :data:`HIGH_WATER` bytes ahead of
     the reader: encoded bytes whose output has no room wait in the :class:`Decoder`, and the
     socket is not read while they do (each read decodes the next piece).
 
-    No coroutine: a read is a future, done at once when bytes are there, else resolved by the
-    connection once a socket read was parsed whole (so a reader takes every chunk that one read
-    brought, in one piece). A plain Python subclass would have made every call to it from
-    compiled code go through a lookup of the method by name."""
+    The connection wakes a waiting reader once a socket read was parsed whole, so a reader
+    takes every chunk that one read brought, in one piece. No coroutine here: the module is
+    compiled, and waiting is the reader's (docs/ARCHITECTURE.md)."""
 
     def __init__(self, conn: Connection, status: int, reason: str, headers: CIMultiDict[str], no_body: bool) -> None:
         self._conn: Connection | None = conn
@@ -243,53 +242,24 @@ class Body:
         self._done = no_body
         """Every byte of the body is decoded, in the buffer or taken."""
         self._error: BaseException | None = None
-        self._reader: asyncio.Future[bytes] | None = None
-        """The read waiting for bytes."""
-        self._timer: asyncio.TimerHandle | None = None
-        """Its timeout."""
+        self._waiter: asyncio.Future[None] | None = None
+        """Done when something arrives for the waiting reader (:meth:`arrival`)."""
         self.deadline = float("inf")
         """The loop time by which the whole body must have arrived (reads wait no later)."""
 
     # -- the reader's side ----------------------------------------------------------------------
 
-    def read_chunk(self, within: float) -> asyncio.Future[bytes]:
-        """Every body byte that arrived since the last read (``b""`` at the end); waits at most
-        ``within`` seconds for them (and never past :attr:`deadline`). Fails with
-        :class:`Disconnected`, :class:`Malformed` or :class:`TimeoutError`."""
+    def arrival(self) -> asyncio.Future[None]:
+        """A future done when bytes, the end or an error arrive: the reader then calls
+        :meth:`take` again. One reader at a time. Raises :class:`Disconnected` once the
+        response was released or closed."""
         conn = self._conn
         if conn is None:
-            loop = asyncio.get_running_loop()
-        else:
-            loop = conn.loop
-        reader: asyncio.Future[bytes] = loop.create_future()
-        try:
-            chunk = self.take()
-        except BaseException as exc:
-            reader.set_exception(exc)
-            return reader
-        if chunk is not None:
-            reader.set_result(chunk)
-        elif conn is None:
-            reader.set_exception(Disconnected("the response was closed", before_response=False))
-        elif self._reader is not None and not self._reader.done():
-            reader.set_exception(RuntimeError("a read is already waiting for this response"))
-        else:
-            self._release_reader()  # one that ended, before its callback ran
-            self._reader = reader
-            self._timer = loop.call_at(min(loop.time() + within, self.deadline), _expire, self)
-            reader.add_done_callback(self._forget_reader)
-        return reader
-
-    def _forget_reader(self, reader: asyncio.Future[bytes]) -> None:
-        """A read ended (answered, timed out or cancelled): its timer goes with it."""
-        if self._reader is reader:
-            self._release_reader()
-
-    def _release_reader(self) -> None:
-        self._reader = None
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+            raise Disconnected("the response was closed", before_response=False)
+        if self._waiter is not None and not self._waiter.done():
+            raise RuntimeError("a read is already waiting for this response")
+        self._waiter = waiter = conn.loop.create_future()
+        return waiter
 
     def take(self) -> bytes | None:
         """Every body byte that arrived since the last read, in one piece; ``b""`` at the end;
@@ -432,23 +402,10 @@ class Body:
             self._fail(Disconnected(f"the upstream closed the connection mid-response{detail}", before_response=False))
 
     def _wake(self) -> None:
-        """Answer the waiting read, if any, with what arrived (or the error, or the end)."""
-        reader = self._reader
-        if reader is None or reader.done():
-            return
-        try:
-            chunk = self.take()
-        except BaseException as exc:
-            reader.set_exception(exc)
-            return
-        if chunk is not None:  # (None: nothing arrived yet; the read keeps waiting)
-            reader.set_result(chunk)
-
-
-def _expire(body: Body) -> None:
-    reader = body._reader
-    if reader is not None and not reader.done():
-        reader.set_exception(TimeoutError())
+        """Wake the waiting reader, if any: something arrived (bytes, the end, an error)."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class Decoder:
@@ -586,7 +543,7 @@ class Connection:
         except httptools.HttpParserError as exc:
             self._error(Malformed(f"the upstream's response is not valid HTTP/1.1: {exc}"))
         response = self.response
-        if response is not None and response._reader is not None:
+        if response is not None and response._waiter is not None:
             response._wake()  # once per socket read: the reader takes every chunk it brought
 
     def eof_received(self) -> bool | None:

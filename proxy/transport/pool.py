@@ -74,7 +74,7 @@ from .http1 import (
 
 __all__ = [
     "DIRECT", "HIGH_WATER", "ConnectFailed", "Disconnected", "Malformed", "Origin", "Pool", "ProxyRefused", "Response",
-    "Route", "Transport", "TransportError",
+    "Route", "Transport", "TransportError", "read_chunk",
 ]
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ class Origin:
 
 
 Response = Body
-"""One upstream response (:class:`~proxy.transport.http1.Body`): ``await response.read_chunk(within)``."""
+"""One upstream response (:class:`~proxy.transport.http1.Body`), its body read with
+``await read_chunk(response, within)``."""
 
 
 class Pool:
@@ -306,16 +307,14 @@ class Transport:
             headers = itertools.chain(headers, pool.proxy_headers)
         head = request_head(method, target, pool.host, headers, body)  # refused before a connection is taken
         conn, waiter, idled = await self._send(pool, head, body, method == "HEAD", fresh)
-        timer = self.loop.call_later(within, _expire_response, waiter)
         try:
-            response = await waiter
+            async with asyncio.timeout(within):
+                response = await waiter
         except BaseException as exc:
             conn.finished(False)
             if isinstance(exc, Disconnected) and exc.before_response and idled is not None and idled < QUICK_CLOSE:
                 pool.distrust()  # it closed the connection it had just answered on: it always will
             raise
-        finally:
-            timer.cancel()
         if pool.forwarded and response.status == 407:  # the proxy's own answer: it forwarded nothing
             response.close()
             raise ProxyRefused(f"{pool.where}: the proxy answered 407 Proxy Authentication Required", status=407)
@@ -450,6 +449,15 @@ class Transport:
             await asyncio.wait(closing, timeout=1.0)
 
 
-def _expire_response(waiter: asyncio.Future[Body]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
+async def read_chunk(response: Response, within: float) -> bytes:
+    """Every body byte that arrived since the last read, in one piece (``b""`` at the end),
+    waiting at most ``within`` seconds for them and never past the response's ``deadline``.
+    Fails with :class:`Disconnected`, :class:`Malformed` or :class:`TimeoutError`."""
+    chunk = response.take()
+    if chunk is not None:
+        return chunk
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout_at(min(loop.time() + within, response.deadline)):
+        while (chunk := response.take()) is None:
+            await response.arrival()
+    return chunk

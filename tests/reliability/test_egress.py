@@ -41,7 +41,7 @@ from proxy.config import load_settings
 from proxy.errors import ConfigError
 from proxy.sim.server import SimConfig, create_sim_app
 from proxy.transport.egress import Egress, NoProxy, Proxy, Route
-from proxy.transport.pool import Origin, ProxyRefused, Transport
+from proxy.transport.pool import Origin, ProxyRefused, Transport, read_chunk
 from tests.conftest import received
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -310,7 +310,7 @@ async def test_connections_are_pooled_by_route_not_only_by_origin(
         for pool in (direct, proxied, direct):
             response = await transport.request(pool, "GET", "/v1/models", [], b"", within=WAIT)
             assert response.status == 200
-            while await response.read_chunk(WAIT):
+            while await read_chunk(response, WAIT):
                 pass
             response.release()
         assert (await egress_proxy.stats())["forwarded"] == before["forwarded"] + 1
@@ -391,7 +391,7 @@ def test_the_tunnel_and_tls_inside_it_work_on_uvloop(egress_proxy: ProxyProcess,
         try:
             url = URL(f"https://{NAME}:{port}/v1")
             response = await transport.request(transport.pool(Origin.of(url), egress.route(url)), "GET", "/v1/models", [], b"", within=WAIT)
-            body = await response.read_chunk(WAIT)
+            body = await read_chunk(response, WAIT)
             response.release()
             return body
         finally:

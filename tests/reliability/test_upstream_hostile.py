@@ -26,7 +26,7 @@ import orjson
 import pytest
 
 from proxy.request.relay import EVENT_LIMIT, WHOLE_BODY_LIMIT
-from proxy.transport.pool import GRACE, HIGH_WATER, Malformed, Transport
+from proxy.transport.pool import GRACE, HIGH_WATER, Malformed, Transport, read_chunk
 from tests.conftest import ProxyFactory, metric
 from tests.proxy.test_transport import (
     RawUpstream,
@@ -148,10 +148,10 @@ async def test_bytes_after_a_complete_response_not_yet_released_close_its_connec
     response = await send(transport, upstream)
     conn = response._conn
     assert conn is not None
-    assert await response.read_chunk(WAIT) == b"answer 1"
+    assert await read_chunk(response, WAIT) == b"answer 1"
     assert response.complete
     await until(lambda: conn.closed)
-    assert await response.read_chunk(WAIT) == b""  # the response itself stays whole
+    assert await read_chunk(response, WAIT) == b""  # the response itself stays whole
     response.release()
     assert (await fetch(transport, upstream))[1] == b"answer 2"
     assert upstream.accepted == 2
@@ -200,7 +200,7 @@ async def test_a_compressed_body_is_decoded_a_bounded_piece_per_read(serve: Serv
     assert conn is not None
     await until(lambda: conn.paused)  # nobody read yet: the decoded buffer is full, the socket paused
     size = 0
-    while chunk := await response.read_chunk(WAIT):
+    while chunk := await read_chunk(response, WAIT):
         assert len(chunk) <= HIGH_WATER and chunk.count(0) == len(chunk)
         assert response._buffered <= HIGH_WATER  # nothing decoded ahead beyond the next piece
         size += len(chunk)
@@ -227,7 +227,7 @@ async def test_a_read_that_decodes_nothing_reads_the_socket_again(serve: Serve, 
     upstream = await serve(reply)
     response = await send(transport, upstream)
     size = 0
-    while chunk := await response.read_chunk(WAIT):
+    while chunk := await read_chunk(response, WAIT):
         size += len(chunk)
     response.release()
     assert size == 8 * MiB and response.complete
@@ -240,7 +240,7 @@ async def test_a_compressed_body_cut_short_fails_after_what_it_decoded(serve: Se
     response = await send(transport, upstream)
     size = 0
     with pytest.raises(Malformed):
-        while chunk := await response.read_chunk(WAIT):
+        while chunk := await read_chunk(response, WAIT):
             size += len(chunk)
     response.release()
     assert 0 < size <= 8 * MiB and not response.complete
