@@ -110,7 +110,7 @@ def test_an_edited_source_is_imported_from_source(tmp_path: Path) -> None:
 def test_an_edit_to_any_compiled_module_passes_over_all_of_them(tmp_path: Path) -> None:
     """Compiled modules call each other natively: one stale module means none is used."""
     root = package_copy(tmp_path, built=True)
-    with (root / "proxy" / "store" / "memory_sessions.py").open("a") as f:
+    with (root / "proxy" / "store" / "memory" / "sessions.py").open("a") as f:
         f.write("\n")
     state, file = imported(root)
     assert state.startswith("pure: the sources changed") and file.endswith("match.py")

@@ -10,7 +10,7 @@ never stored or logged. The proxy and the admin API both use this one rule.
 
 The key is the store's secret as it stands now: a shared store agrees on it with the
 other processes and may not know it yet (Redis has not answered since the start) or
-follow another one later (Redis lost it: :mod:`proxy.store.redis.link`). So the roots are
+follow another one later (Redis lost it: :mod:`proxy.store.redis.secret`). So the roots are
 derived from the store's current secret, and while it is unknown no tenant can be named:
 every request gets :data:`UNKNOWN_TENANT`, under which nothing is matched or recorded.
 """

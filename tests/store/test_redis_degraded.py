@@ -222,7 +222,7 @@ async def test_a_replica_follows_the_secret_a_newcomer_stored_and_says_so_once(
         assert new.secret() != before
         more = make_path(tenant, ["hello", ("assistant", "hi"), "again"])
         turn = TurnWrite(nodes=more[-1:], path=[n.key for n in path], leaf=more[-1].key, totals=SessionTotals(turns=1), now=2.0)
-        with caplog.at_level(logging.WARNING, logger="proxy.store.redis.link"):
+        with caplog.at_level(logging.WARNING, logger="proxy.store.redis.secret"):
             with pytest.raises(StoreError, match="secret changed"):
                 await old.write_turn(turn)  # finds its path gone: Redis lost data; the secret is checked
             assert old.secret() == new.secret()

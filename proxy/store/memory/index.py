@@ -1,4 +1,5 @@
-"""The node tables of a memory store, and the bytes they hold: insert-if-absent, the leaves LRU, removing leaves.
+"""The node tables of a memory store, and the bytes they hold: insert-if-absent, uses and the leaves LRU,
+token counts filled in, removing leaves.
 
 Indexes (dicts, so every read is O(1) whatever the number of sessions):
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ...core.model import Node
@@ -56,7 +57,7 @@ def entries(entry: Node | list[Node] | None) -> Sequence[Node]:
 class NodeIndex:
     """Every stored node, indexed for the planner's reads, with the bytes the tables hold."""
 
-    __slots__ = ("blobs", "by_identity", "bytes", "children", "leaves", "nodes", "tenants", "used")
+    __slots__ = ("blobs", "by_identity", "bytes", "children", "leaves", "loaded", "nodes", "tenants", "used")
 
     def __init__(self) -> None:
         self.nodes: dict[bytes, Node] = {}
@@ -67,6 +68,8 @@ class NodeIndex:
         self.tenants: dict[bytes, bytes] = {}
         self.blobs: dict[bytes, Blob] = {}
         self.bytes = 0
+        self.loaded = False
+        """Nodes were added by :meth:`load` (in depth order, not in order of use) since :meth:`settle`."""
 
     def path(self, leaf: bytes) -> list[Node]:
         """The nodes from element 0 down to ``leaf``; empty when any is missing."""
@@ -114,20 +117,7 @@ class NodeIndex:
             digest = blob_hash(node.body)
         blob, new_blob = self._intern(node.body, digest, tight)
         if node.body is not blob.data or node.parent is not parent_key or node.tenant is not tenant:
-            # The constructor, not dataclasses.replace: this runs for every node loaded.
-            node = Node(
-                key=node.key,
-                parent=parent_key,
-                tenant=tenant,
-                depth=node.depth,
-                role=sys.intern(node.role),
-                identity=node.identity,
-                body=blob.data,
-                tokens=node.tokens,
-                generated=node.generated,
-                partial=node.partial,
-                created=node.created,
-            )
+            node = _holding(node, parent_key, tenant, blob.data)
         key = node.key
         nodes[key] = node
         self.used[key] = used
@@ -156,12 +146,51 @@ class NodeIndex:
         self.bytes += blob_cost(len(blob.data))
         return blob, True
 
-    def order_leaves(self) -> None:
+    def load(self, node: Node, used: float, digest: bytes) -> bool:
+        """Add a persisted node (parents first; ``digest`` its verified body hash). False when it
+        cannot be stored (its parent is missing). The leaves are put in order of use by :meth:`settle`."""
+        if self.add(node, used, digest) is None:
+            return False
+        self.loaded = True
+        return True
+
+    def settle(self) -> None:
         """After a backend's load (nodes come in depth order): the leaves, and the last-use table,
         from the least recently used to the most."""
+        if not self.loaded:
+            return
+        self.loaded = False
         used = self.used
         self.used = dict(sorted(used.items(), key=lambda item: item[1]))
         self.leaves = OrderedDict.fromkeys(sorted(self.leaves, key=used.__getitem__))
+
+    def touch(self, keys: Sequence[bytes], now: float, hook: Callable[[bytes, float], None] | None) -> None:
+        """``keys`` were used at ``now``: each stored one not used later already takes ``now`` as
+        its last use (a leaf moves to the LRU's end), and ``hook(key, now)`` is told of it."""
+        used, leaves = self.used, self.leaves
+        for key in keys:
+            last = used.get(key)
+            if last is None or now < last:
+                continue
+            used[key] = now
+            if key in leaves:
+                leaves.move_to_end(key)
+            if hook is not None:
+                hook(key, now)
+
+    def fill_tokens(self, key: bytes, tokens: int) -> bool:
+        """Give the node ``key``, stored uncounted (``tokens < 0``), its token count: it is replaced,
+        in every index, by the same node with its count. False when nothing changed (not stored,
+        counted already, or ``tokens`` is no count)."""
+        node = self.nodes.get(key)
+        if node is None or node.tokens >= 0 or tokens < 0:
+            return False
+        counted = node.with_tokens(tokens)
+        self.nodes[key] = counted
+        _swap(self.children, node.parent, node, counted)
+        _swap(self.by_identity, (node.tenant, node.identity), node, counted)
+        self.bytes += node_cost(counted) - node_cost(node)
+        return True
 
 
 class Removal:
@@ -237,6 +266,25 @@ class Removal:
             _index_remove(self._index.by_identity, ident, gone_ids)
 
 
+def _holding(node: Node, parent_key: bytes, tenant: bytes, body: bytes) -> Node:
+    """``node`` rebuilt to hold the index's own objects: its parent's key, its tenant and its body
+    (interned), and its role interned."""
+    # The constructor, not dataclasses.replace: this runs for every node loaded.
+    return Node(
+        key=node.key,
+        parent=parent_key,
+        tenant=tenant,
+        depth=node.depth,
+        role=sys.intern(node.role),
+        identity=node.identity,
+        body=body,
+        tokens=node.tokens,
+        generated=node.generated,
+        partial=node.partial,
+        created=node.created,
+    )
+
+
 def _index_add(index: dict[_K, Node | list[Node]], key: _K, node: Node, entry_cost: int) -> int:
     """Add ``node`` under ``key``; returns the change of accounted bytes."""
     entry = index.get(key)
@@ -261,3 +309,16 @@ def _index_remove(index: dict[_K, Node | list[Node]], key: _K, gone: set[bytes])
         index[key] = kept[0]
     else:
         index.pop(key, None)
+
+
+def _swap(index: dict[_K, Node | list[Node]], key: _K, old: Node, new: Node) -> None:
+    """Put ``new`` where ``old`` is in ``index[key]`` (a lone node, or a list searched from its
+    newest end, where a node just written is)."""
+    entry = index.get(key)
+    if entry is old:
+        index[key] = new
+    elif isinstance(entry, list):
+        for i in range(len(entry) - 1, -1, -1):
+            if entry[i] is old:
+                entry[i] = new
+                return

@@ -9,7 +9,8 @@ ties on ``updated`` list the latest first; its ``bytes`` are counted at the size
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from ...core.model import Node, SessionTotals
 from ..base import SessionInfo
@@ -42,14 +43,29 @@ class SessionTable:
         out.sort(key=lambda info: info.totals.updated, reverse=True)
         return out
 
+    def last_leaf(self, keys: Sequence[bytes]) -> bytes | None:
+        """The deepest of ``keys`` that is a session's leaf (holds totals), without copying them."""
+        totals = self.totals
+        if not keys or keys[-1] in totals:  # an agent's next turn: its previous reply ends the path
+            return keys[-1] if keys else None
+        if totals.keys().isdisjoint(keys):  # a new turn under a shared prefix: none (one C loop)
+            return None
+        for key in reversed(keys):
+            if key in totals:
+                return key
+        return None
+
     def add(
         self, leaf: bytes, parent_leaf: bytes | None, turn: SessionTotals, now: float, *, keep: bool
     ) -> tuple[SessionTotals, bytes | None]:
         """Add ``turn`` to the session ending at ``leaf``; totals held at ``parent_leaf`` move there first.
+        ``turn`` counts as one turn at least, updated at ``now`` unless it says when.
 
         Returns the combined totals (the table's own object) and the leaf whose totals moved
         away (None: none did). With ``keep`` False (``leaf`` is not stored) nothing changes.
         """
+        if turn.turns < 1 or not turn.updated:
+            turn = replace(turn, turns=max(turn.turns, 1), updated=turn.updated or now)
         moved = None
         if parent_leaf is not None and parent_leaf != leaf:
             moved = self.totals.get(parent_leaf)

@@ -3,11 +3,14 @@
 :class:`MemoryStore` is the :class:`~proxy.store.base.TranscriptStore` whose whole index is
 in this process, made of these parts, each in its own module:
 
-``memory_index``     the node tables (by key, by parent, by identity, last use, the leaves
-                     LRU, interned tenants and bodies) and the bytes they hold
-``memory_sessions``  the session totals at each session's leaf
-``memory_eviction``  which nodes go: LRU leaves first, by TTL and by the byte budget
-``memory_costs``     what each of those costs in bytes (the accounting)
+``index``      the node tables (by key, by parent, by identity, last use, the leaves LRU,
+               interned tenants and bodies), the bytes they hold, and every change to them:
+               insert-if-absent, uses, token counts filled in, a backend's load
+``sessions``   the session totals at each session's leaf
+``eviction``   which nodes go: LRU leaves first, by TTL and by the byte budget
+``costs``      what each of those costs in bytes (the accounting)
+
+The store itself keeps the budget, tells a backend of every change, and answers the contract.
 
 **The byte budget.** ``StoreStats.bytes`` is what the process holds for the store, kept
 current on every change, and ``max_bytes`` holds *at all times*: an insert or a session
@@ -26,8 +29,6 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any
 
 from mypy_extensions import mypyc_attr
 
@@ -99,8 +100,6 @@ class MemoryStore:
         self._clock = clock
         self._index = NodeIndex()
         self._sessions = SessionTable()
-        self._loaded = False
-        """Nodes were added by a backend's load (in depth order, not in order of use)."""
         self._corrupt = 0
         self._evicted = 0
         self._touch_hook = None if type(self)._on_touch is MemoryStore._on_touch else self._on_touch
@@ -142,8 +141,8 @@ class MemoryStore:
         return self._sessions.listing(self._index.nodes, tenant)
 
     def stats(self) -> StoreStats:
-        self._settle()
         index = self._index
+        index.settle()
         return StoreStats(
             nodes=len(index.nodes),
             bytes=self._bytes,
@@ -158,9 +157,9 @@ class MemoryStore:
     def insert(self, nodes: Sequence[Node], *, tight: bool = False) -> int:
         """Insert-if-absent, parents first; over the budget, LRU leaves go after each node.
         ``tight``: every body is an exact-size copy already (a turn's new nodes), kept as it is."""
-        self._settle()
-        now = self._clock()
         index = self._index  # (its method called on it: a bound method kept aside is a Python call)
+        index.settle()
+        now = self._clock()
         added = 0
         for node in nodes:
             stored = index.add(node, now, tight=tight)
@@ -174,16 +173,7 @@ class MemoryStore:
     def touch(self, keys: Sequence[bytes], now: float) -> None:
         """``keys`` were used at ``now``. Touching the deepest node of a path is enough: a parent
         is evicted only after its children, and takes the latest use of theirs as they go."""
-        used, leaves, hook = self._index.used, self._index.leaves, self._touch_hook
-        for key in keys:
-            last = used.get(key)
-            if last is None or now < last:
-                continue
-            used[key] = now
-            if key in leaves:
-                leaves.move_to_end(key)
-            if hook is not None:
-                hook(key, now)
+        self._index.touch(keys, now, self._touch_hook)
 
     @property
     def fills_tokens(self) -> bool:
@@ -198,29 +188,14 @@ class MemoryStore:
         index = self._index
         filled = 0
         for key, tokens in counts.items():
-            node = index.nodes.get(key)
-            if node is None or node.tokens >= 0 or tokens < 0:
-                continue
-            counted = node.with_tokens(tokens)
-            index.nodes[key] = counted
-            _swap(index.children, node.parent, node, counted)
-            _swap(index.by_identity, (node.tenant, node.identity), node, counted)
-            index.bytes += node_cost(counted) - node_cost(node)
-            self._on_tokens(key, tokens)
-            filled += 1
+            if index.fill_tokens(key, tokens):
+                self._on_tokens(key, tokens)
+                filled += 1
         return filled
 
     def last_session(self, keys: Sequence[bytes]) -> bytes | None:
         """The deepest of ``keys`` that is a session's leaf (holds totals), without copying them."""
-        totals = self._sessions.totals
-        if not keys or keys[-1] in totals:  # an agent's next turn: its previous reply ends the path
-            return keys[-1] if keys else None
-        if totals.keys().isdisjoint(keys):  # a new turn under a shared prefix: none (one C loop)
-            return None
-        for key in reversed(keys):
-            if key in totals:
-                return key
-        return None
+        return self._sessions.last_leaf(keys)
 
     def add_turn(self, leaf: bytes, parent_leaf: bytes | None, totals: SessionTotals) -> SessionTotals:
         """Add one turn to the session ending at ``leaf``; ``totals.turns`` counts as at least 1.
@@ -234,13 +209,9 @@ class MemoryStore:
     def count_turn(self, leaf: bytes, parent_leaf: bytes | None, totals: SessionTotals) -> tuple[SessionTotals, bool]:
         """:meth:`add_turn` without the copy: the combined totals (the table's own object when
         kept: read only) and whether they were kept. The request path's write, which reads nothing back."""
-        self._settle()
-        now = self._clock()
-        turn = totals if totals.turns >= 1 and totals.updated else replace(
-            totals, turns=max(totals.turns, 1), updated=totals.updated or now
-        )
+        self._index.settle()
         stored = leaf in self._index.nodes
-        combined, moved_from = self._sessions.add(leaf, parent_leaf, turn, now, keep=stored)
+        combined, moved_from = self._sessions.add(leaf, parent_leaf, totals, self._clock(), keep=stored)
         if not stored:
             return combined, False
         if moved_from is not None:
@@ -256,7 +227,7 @@ class MemoryStore:
         Leaves only: a parent becomes a candidate when its last child goes (a parent is never
         evicted before its children). Returns how many nodes went.
         """
-        self._settle()
+        self._index.settle()
         return self._evict(self._max_bytes, now - self._ttl)
 
     # -- hooks for persistent backends ----------------------------------------------------
@@ -282,10 +253,7 @@ class MemoryStore:
         """Add a persisted node (parents first; ``digest`` its verified body hash). False when it
         cannot be stored (its parent is missing). The leaves are put in order of use before the
         store is next used."""
-        if self._index.add(node, used, digest) is None:
-            return False
-        self._loaded = True
-        return True
+        return self._index.load(node, used, digest)
 
     def _load_totals(self, leaf: bytes, totals: SessionTotals) -> bool:
         """Set persisted totals (oldest first); False when their leaf is not stored."""
@@ -299,12 +267,6 @@ class MemoryStore:
     @property
     def _bytes(self) -> int:
         return self._index.bytes + self._sessions.bytes
-
-    def _settle(self) -> None:
-        """After a backend's load: order the leaves by last use."""
-        if self._loaded:
-            self._loaded = False
-            self._index.order_leaves()
 
     def _evict(self, target: int, cutoff: float) -> int:
         count = evict_leaves(self._index, self._sessions, target, cutoff, self._gone, self._touch_hook)
@@ -349,16 +311,3 @@ class MemoryStore:
     @property
     def _totals(self) -> dict[bytes, SessionTotals]:
         return self._sessions.totals
-
-
-def _swap(index: dict[Any, Node | list[Node]], key: Any, old: Node, new: Node) -> None:
-    """Put ``new`` where ``old`` is in ``index[key]`` (a lone node, or a list searched from its
-    newest end, where a node just written is)."""
-    entry = index.get(key)
-    if entry is old:
-        index[key] = new
-    elif isinstance(entry, list):
-        for i in range(len(entry) - 1, -1, -1):
-            if entry[i] is old:
-                entry[i] = new
-                return

@@ -19,7 +19,7 @@ from ..base import SessionInfo
 from .cache import NodeCache, RedisCounters
 from .codec import TOTALS_FIELDS, ReplyDecoder, totals_of
 from .layout import KeyLayout
-from .link import DAMAGED, RedisLink
+from .link import DAMAGED, RedisLink, eval_script
 from .scripts import PATH, SESSIONS
 
 __all__ = ["RedisAdmin"]
@@ -43,8 +43,7 @@ class RedisAdmin:
         if root is None:
             return []
         base = self._layout.base(root)
-        link = self._link
-        reply = await link.guarded("path", lambda c: link.eval(c, PATH, [base + "s"], [base, leaf.hex()]))
+        reply = await self._link.guarded("path", lambda c: eval_script(c, PATH, [base + "s"], [base, leaf.hex()]))
         recs, blobs, damaged = reply
         self._counters.corrupt += damaged
         nodes = self._decoder.nodes(root, recs, blobs)

@@ -14,22 +14,13 @@ with exponential backoff until Redis answers, when the store resumes by itself. 
 own deadline catches a call waiting on Redis for long trips it too (Redis is slow). An OOM
 answer (``maxmemory`` reached) is reported by ``health`` until a write succeeds again.
 
-**Secret.** With no configured secret, the first process stores 32 random bytes under
-``P:secret`` with ``SET NX`` and every process reads that value back when it connects, so
-all of them key tenant roots alike. A configured secret is used as is (configure the same one
-everywhere). Until Redis has answered once, the secret is unknown (the request path then
-names no tenant and forwards unrepaired, :mod:`proxy.edge.tenancy`).
+**Secret.** The link holds the shared secret (:mod:`proxy.store.redis.secret`): it agrees
+on it with Redis when it connects, every ``secret_interval`` seconds while Redis answers, and
+when the probe reaches Redis again.
 
-Redis may lose the key (a restart without persistence, ``FLUSHALL``) while processes run.
-Every chain key is an HMAC under the secret, so a newcomer that stored a secret of its own
-would hash every tenant apart from the running processes: none would ever match the other's
-turns. So the secret is checked again every ``secret_interval`` seconds, when the link
-reconnects, and when a write finds that Redis lost part of a path (:meth:`RedisLink.sync_secret`):
-a process that finds the key missing stores its own secret again with ``SET NX`` (the first to
-notice restores the shared one; Redis came back empty, so nothing stored under another secret
-is lost), and a process whose secret differs from the stored one follows the store, with one
-WARNING: the secret in Redis is the one every newcomer adopts, so following it is the only
-choice on which every replica converges.
+**Commands.** :func:`eval_script` and :func:`execute_ops` run a script, or a batch of commands
+in one round trip, on a client, loading a script the server lost; the link's :meth:`RedisLink.run`
+runs a batch guarded.
 
 **Damage.** A key of another type than kvwarm keeps there (a string where a sessions index
 belongs, a list for totals) is damage, not an outage: the scripts read it as absent and count
@@ -41,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,8 +48,9 @@ from ...errors import ConfigError, StoreError
 from ..urls import redacted
 from .cache import RedisCounters
 from .scripts import Script
+from .secret import SharedSecret
 
-__all__ = ["DAMAGED", "Client", "RedisLink", "cluster_url", "wrong_type"]
+__all__ = ["DAMAGED", "Client", "RedisLink", "cluster_url", "eval_script", "execute_ops", "wrong_type"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +93,40 @@ def cluster_url(url: str) -> tuple[list[tuple[str, int]], str | None, str | None
     return nodes, unquote(username) or None, unquote(password) or None, parts.scheme.lower() == "rediss+cluster"
 
 
+async def eval_script(client: Client, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """``script`` run on ``client`` (``EVALSHA``; loaded first when the server lost it: a restart)."""
+    try:
+        return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    except rexc.NoScriptError:
+        await client.execute_command("SCRIPT LOAD", script.source)
+        return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
+async def execute_ops(client: Client, ops: Sequence[tuple[Any, ...]], lenient_from: int | None = None) -> list[Any]:
+    """Commands in one round trip (per node in a cluster); a script is ``(Script, keys, args)``.
+
+    A script the server lost (restart) is loaded and re-run alone; any other error raises,
+    except a ``WRONGTYPE`` answer to an op from index ``lenient_from`` on, which is its result (the
+    caller replaces the damaged key)."""
+    if len(ops) == 1 and isinstance(ops[0][0], Script):
+        script, keys, args = ops[0]
+        return [await eval_script(client, script, keys, args)]
+    pipe = client.pipeline(transaction=False)
+    for op in ops:
+        if isinstance(op[0], Script):
+            script, keys, args = op
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        else:
+            pipe.execute_command(*op)
+    results: list[Any] = await pipe.execute(raise_on_error=False)
+    for i, (op, result) in enumerate(zip(ops, results, strict=True)):
+        if isinstance(result, rexc.NoScriptError) and isinstance(op[0], Script):
+            results[i] = await eval_script(client, op[0], op[1], op[2])
+        elif isinstance(result, Exception) and not (lenient_from is not None and i >= lenient_from and wrong_type(result)):
+            raise result
+    return results
+
+
 class RedisLink:
     """The client of one store, its breaker and probe, and the shared secret it loads.
 
@@ -137,9 +162,8 @@ class RedisLink:
         """Why calls are refused right now (the breaker is open), or None."""
         self.full: str | None = None
         """Redis refused a write for want of memory (until a write succeeds), or None."""
-        self.secret: bytes | None = secret or None
-        self._configured_secret = self.secret
-        self._secret_key = secret_key
+        self.secret = SharedSecret(secret_key, secret, redacted(url))
+        """The shared secret, agreed with Redis by the link (and by a write that found a path lost)."""
         self._health_check_interval = health_check_interval
         self._retries = retries
         self._probe_backoff = probe_backoff
@@ -178,7 +202,7 @@ class RedisLink:
         try:
             async with asyncio.timeout(self.timeout * 4):
                 await self.client.execute_command("PING")
-                await self.sync_secret()
+                await self.secret.sync(self.require())
         except _ANY_ERRORS as exc:
             log.warning(
                 "redis store %s unreachable at start: %s; serving unrepaired until it answers", redacted(self.url), exc
@@ -229,7 +253,7 @@ class RedisLink:
 
     async def _idle(self) -> None:
         """Until the breaker opens or ``secret_interval`` passes; then check the secret."""
-        interval = self._secret_interval if self._configured_secret is None else None
+        interval = None if self.secret.configured else self._secret_interval
         try:
             async with asyncio.timeout(interval):
                 await self._wake.wait()
@@ -238,7 +262,7 @@ class RedisLink:
             pass
         try:
             async with asyncio.timeout(self.timeout * 4):
-                await self.sync_secret()
+                await self.secret.sync(self.require())
         except _ANY_ERRORS as exc:
             self.trip(_reason(exc))
 
@@ -252,7 +276,7 @@ class RedisLink:
             try:
                 async with asyncio.timeout(self.timeout * 4):
                     await client.execute_command("PING")
-                    await self.sync_secret()
+                    await self.secret.sync(self.require())
             except _ANY_ERRORS as exc:
                 delay = min(delay * 2, longest)
                 self.down = _reason(exc)
@@ -261,44 +285,6 @@ class RedisLink:
             self.down = None
             self._wake.clear()
             return
-
-    async def sync_secret(self) -> bool:
-        """Agree with Redis on the shared secret (module docstring); True when this process's
-        secret changed (the tenant roots it keyed no longer match the other processes').
-
-        A missing key gets this process's secret (``SET NX``; a new random one when it knew
-        none); a stored one that differs from this process's is followed. Not guarded: the
-        callers convert errors (the probe, the start, :meth:`RedisStore.write_turn`)."""
-        if self._configured_secret is not None:
-            return False
-        mine = self.secret
-        pipe = self.require().pipeline(transaction=False)
-        pipe.execute_command("SET", self._secret_key, mine if mine is not None else secrets.token_bytes(32), "NX")
-        pipe.execute_command("GET", self._secret_key)
-        try:
-            stored_now, value = await pipe.execute()
-        except rexc.ResponseError as exc:
-            raise StoreError(f"{self._secret_key} is damaged ({exc}): delete it, and a process stores the secret again") from exc
-        if not isinstance(value, bytes) or not value:
-            raise StoreError(f"{self._secret_key} holds no secret: delete it, and a process stores the secret again")
-        where = redacted(self.url)
-        if mine is not None and stored_now:
-            log.warning(
-                "redis store %s: %s was missing (Redis restarted empty?): stored this process's secret again, "
-                "so processes started from now on adopt it",
-                where, self._secret_key,
-            )
-        if value == mine:
-            return False
-        if mine is not None:
-            log.warning(
-                "redis store %s: the shared secret in %s differs from this process's (Redis lost it and another "
-                "process stored a new one): following the stored secret; sessions recorded under the old one "
-                "are not matched again",
-                where, self._secret_key,
-            )
-        self.secret = value
-        return mine is not None
 
     # -- calls ----------------------------------------------------------------------------
 
@@ -336,40 +322,9 @@ class RedisLink:
             raise StoreError(f"redis store {what}: {exc}") from exc
         return result
 
-    async def eval(self, client: Client, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        try:
-            return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-        except rexc.NoScriptError:
-            await client.execute_command("SCRIPT LOAD", script.source)
-            return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-
-    async def pipeline(self, client: Client, ops: Sequence[tuple[Any, ...]], lenient_from: int | None = None) -> list[Any]:
-        """Commands in one round trip (per node in a cluster); a script is ``(Script, keys, args)``.
-
-        A script the server lost (restart) is loaded and re-run alone; any other error raises,
-        except a ``WRONGTYPE`` answer to an op from index ``lenient_from`` on, which is its result (the
-        caller replaces the damaged key)."""
-        if len(ops) == 1 and isinstance(ops[0][0], Script):
-            script, keys, args = ops[0]
-            return [await self.eval(client, script, keys, args)]
-        pipe = client.pipeline(transaction=False)
-        for op in ops:
-            if isinstance(op[0], Script):
-                script, keys, args = op
-                pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            else:
-                pipe.execute_command(*op)
-        results: list[Any] = await pipe.execute(raise_on_error=False)
-        for i, (op, result) in enumerate(zip(ops, results, strict=True)):
-            if isinstance(result, rexc.NoScriptError) and isinstance(op[0], Script):
-                results[i] = await self.eval(client, op[0], op[1], op[2])
-            elif isinstance(result, Exception) and not (lenient_from is not None and i >= lenient_from and wrong_type(result)):
-                raise result
-        return results
-
     async def run(self, what: str, ops: Sequence[tuple[Any, ...]], lenient_from: int | None = None) -> list[Any]:
-        """:meth:`pipeline` of ``ops``, guarded."""
-        return list(await self.guarded(what, lambda client: self.pipeline(client, ops, lenient_from)))
+        """:func:`execute_ops` of ``ops``, guarded."""
+        return list(await self.guarded(what, lambda client: execute_ops(client, ops, lenient_from)))
 
     async def read(self, what: str, *command: Any) -> Any:
         """One command, guarded; :data:`DAMAGED` (counted corrupt) when its key holds another type."""

@@ -21,17 +21,17 @@ another protocol (MOVED/ASK redirections, slot routing) and cannot use ``db`` or
 
 The store is made of, one concept each:
 
-``redis_link``      the connection: every call bounded, the breaker, the probe, the secret
-                    (agreed again with Redis while running)
-``redis_layout``    the key layout (one hash tag per tenant) and what it costs in a cluster
-``redis_codec``     node records and session totals as Redis holds them; verified decoding
-``redis_scripts``   the Lua scripts: fill, path, sessions, write
-``redis_cache``     the per-process cache of immutable nodes, and the counters
-``redis_view``      one request's read view
-``redis_reads``     the fill: a request's lookups in one round trip
-``redis_writes``    a turn's write in one round trip: insert-if-absent, touch, totals, heal
-``redis_admin``     a session's path and totals, session lists
-``redis_affinity``  the router's affinity table beside the transcripts
+``link``      the connection: every call bounded, the breaker, the probe
+``secret``    the shared secret (agreed again with Redis while running)
+``layout``    the key layout (one hash tag per tenant) and what it costs in a cluster
+``codec``     node records and session totals as Redis holds them; verified decoding
+``scripts``   the Lua scripts: fill, path, sessions, write
+``cache``     the per-process cache of immutable nodes, and the counters
+``view``      one request's read view
+``reads``     the fill: a request's lookups in one round trip
+``writes``    a turn's write in one round trip: insert-if-absent, touch, totals, heal
+``admin``     a session's path and totals, session lists
+``affinity``  the router's affinity table beside the transcripts
 
 **Memory and expiry.** Every key of a tenant carries the sliding TTL (``ttl_seconds``),
 refreshed by each turn's write (:mod:`proxy.store.redis.writes`). Memory is bounded by
@@ -41,7 +41,7 @@ kvwarm's own LRU order, and it never evicts ``P:secret`` (which has no TTL): und
 ``allkeys-lru`` an evicted secret is stored again by the first running process that notices
 (within ``secret_interval``), but a process started before that stores a new one, which every
 process then follows, and what was recorded under the old one is no longer matched
-(:mod:`proxy.store.redis.link`). Either policy is otherwise safe: a missing parent, body or
+(:mod:`proxy.store.redis.secret`). Either policy is otherwise safe: a missing parent, body or
 list is a miss, never an error.
 
 **Failure.** Every call is bounded by ``timeout`` and raises
@@ -108,7 +108,8 @@ class RedisStore:
     before redis-py pings a pooled connection. ``retries``: redis-py retries of one command
     on a connection error (with exponential backoff). ``probe_backoff``: first and longest
     pause between probes while Redis is unreachable. ``secret_interval``: seconds between two
-    checks of the shared secret (:meth:`RedisLink.sync_secret`). ``clock``: stamps session updates.
+    checks of the shared secret (:meth:`~proxy.store.redis.secret.SharedSecret.sync`).
+    ``clock``: stamps session updates.
     """
 
     shared = True
@@ -195,9 +196,9 @@ class RedisStore:
         return 0
 
     def secret(self) -> bytes:
-        """The shared secret as agreed with Redis now (it may change while running: the link's
-        docstring); raises :class:`StoreError` until Redis has answered once."""
-        secret = self._link.secret
+        """The shared secret as agreed with Redis now (it may change while running:
+        :mod:`proxy.store.redis.secret`); raises :class:`StoreError` until Redis has answered once."""
+        secret = self._link.secret.value
         if secret is None:
             raise StoreError(f"the redis store {redacted(self.url)} has not answered yet: its shared secret is unknown")
         return secret

@@ -19,7 +19,7 @@ early.
 persistence, eviction) gets the missing positions back; the path is re-inserted from the
 process cache first, parents first, and the write runs again without the check, so
 sessions continue across a Redis wipe. Redis having lost data, the shared secret is checked
-first (:meth:`~proxy.store.redis.link.RedisLink.sync_secret`): when another process's secret
+first (:meth:`~proxy.store.redis.secret.SharedSecret.sync`): when another process's secret
 now stands, this turn (keyed under the old one) is not written.
 
 **Damage.** The script replaces keys of another type than it writes and reports how many
@@ -166,7 +166,7 @@ class RedisWrites:
             # Redis lost part of the matched path (restart, eviction): put it back from the
             # process cache, parents first, then write again without the check. A restart
             # may have lost the shared secret too.
-            if await self._link.guarded("secret", lambda _: self._link.sync_secret()):
+            if await self._link.guarded("secret", self._link.secret.sync):
                 raise StoreError("redis store write: the shared secret changed; this turn was keyed under the old one")
             healed = [self._cache.get(path[int(i)]) for i in reply[1]]
             back: list[_Encoded] = [(n, *encoded(n)) for n in healed if n is not None]
