@@ -52,7 +52,7 @@ they are held): past it, the stream ends as the upstream's failure instead of be
 (one endless event, such as a compressed stream of zeros that inflates a thousandfold)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RelayOutcome:
     """How a relay ended."""
 

@@ -36,7 +36,7 @@ __all__ = [
     "TurnWrite",
 ]
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SessionInfo:
     """A session as listed by the admin API: its leaf, totals and depth."""
 
@@ -46,7 +46,7 @@ class SessionInfo:
     totals: SessionTotals = field(default_factory=SessionTotals)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StoreStats:
     nodes: int
     bytes: int
@@ -118,7 +118,7 @@ class TranscriptStore(NodeReader, Protocol):
 # -- the request path's view of a store: local or shared ------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Lookups:
     """What a plan asked a :class:`StoreView` for that the view could not answer from memory."""
 

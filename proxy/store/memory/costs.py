@@ -43,7 +43,7 @@ def held(size: int) -> int:
     return (size + 15) & ~15 if size <= 512 else (size + 8 + 15) & ~15
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Blob:
     """One interned body and how many stored nodes hold it."""
 
@@ -75,7 +75,7 @@ INDEX_ENTRY = DICT_ENTRY
 IDENTITY_ENTRY = DICT_ENTRY + _TUPLE2
 """A ``(tenant, identity) -> nodes`` entry with its tuple key."""
 BLOB_HASH_SIZE = 32
-BLOB_OVERHEAD = held(sys.getsizeof(bytes(BLOB_HASH_SIZE))) + held(sys.getsizeof(Blob(b"", 0))) + NUMBER + DICT_ENTRY
+BLOB_OVERHEAD = held(sys.getsizeof(bytes(BLOB_HASH_SIZE))) + held(sys.getsizeof(Blob(data=b"", refs=0))) + NUMBER + DICT_ENTRY
 """Bytes per distinct body beyond :func:`held` of the ``bytes`` itself: its content hash, the
 :class:`Blob` record (48), its reference count and its dict entry (256)."""
 SESSION_OVERHEAD = held(sys.getsizeof(SessionTotals())) + 7 * NUMBER + DICT_ENTRY

@@ -142,7 +142,7 @@ class NodeIndex:
             return blob, False
         # A tight copy: orjson's output (where bodies come from) keeps at least a 4 kB
         # buffer behind even a 60-byte message, and 8x the length of a long string.
-        blob = self.blobs[digest] = Blob(body if tight else bytes(memoryview(body)), 1)
+        blob = self.blobs[digest] = Blob(data=body if tight else bytes(memoryview(body)), refs=1)
         self.bytes += blob_cost(len(blob.data))
         return blob, True
 

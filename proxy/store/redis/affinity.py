@@ -50,7 +50,7 @@ PREFETCH_ENTRIES = 16384
 """Entries kept here at most (the oldest go first)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class AffinityCounters:
     """Cheap local counters of one :class:`RedisAffinity`."""
 

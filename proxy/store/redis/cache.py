@@ -20,7 +20,7 @@ CACHE_NODE_OVERHEAD = 600
 """Bytes a cached node costs beyond its body (the Node, its key, identity and LRU entry)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Blob:
     data: bytes
     refs: int
@@ -64,7 +64,7 @@ class NodeCache:
             return node
         blob = self._blobs.get(digest)
         if blob is None:
-            blob = self._blobs[digest] = _Blob(node.body, 0)
+            blob = self._blobs[digest] = _Blob(data=node.body, refs=0)
             self.bytes += len(node.body)
         blob.refs += 1
         if node.body is not blob.data:
@@ -95,7 +95,7 @@ class NodeCache:
         return node
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RedisCounters:
     """Cheap local counters of one :class:`~proxy.store.redis.store.RedisStore` (read at scrape time)."""
 

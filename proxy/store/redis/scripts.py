@@ -408,7 +408,7 @@ return out
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Script:
     """A Lua script, run by its SHA1 (loaded again when the server lost it)."""
 
@@ -419,7 +419,7 @@ class Script:
 
 def _script(name: str, source: str) -> Script:
     source = source.replace("__HEAD__", str(RECORD_HEAD)).replace("__TOKEN_MS__", str(WRITE_TOKEN_MS))
-    return Script(name, source, hashlib.sha1(source.encode()).hexdigest())
+    return Script(name=name, source=source, sha=hashlib.sha1(source.encode()).hexdigest())
 
 
 FILL = _script("fill", _FILL)

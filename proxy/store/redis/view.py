@@ -29,7 +29,7 @@ IDENTITY_LIMIT = 256
 """Nodes returned per identity, the newest (``proxy.core.breaks`` examines at most 256)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FillRequest:
     """What one fill asks Redis for (the view's tenant unless said otherwise)."""
 

@@ -31,7 +31,7 @@ __all__ = ["Batch", "WriteBehind"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Batch:
     """Changes not yet written, coalesced: per key, only the latest state matters.
 
@@ -91,7 +91,7 @@ class Batch:
             self.put_session(leaf, totals)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Rows:
     """One batch as the rows and keys its transaction writes (encoded in the worker thread)."""
 

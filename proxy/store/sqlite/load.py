@@ -142,7 +142,7 @@ def set_aside(path: Path, now: float) -> Path:
     return target
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Loaded:
     """What :meth:`Loader._read_all` found, before it enters the index."""
 
