@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import proxy
+from proxy import native
 from proxy.core.pricing import Cost, Price, cost_of
 from proxy.core.usage import Usage
 from proxy.metrics import ERROR_STAGES, ProxyMetrics
+from proxy.metrics.table import FAMILIES
 from proxy.store.base import StoreStats
 
 
@@ -305,6 +308,26 @@ def test_exposition_names_types_and_suffixes() -> None:
                 )
 
 
+def test_every_row_of_the_table_is_a_typed_attribute(metrics: ProxyMetrics) -> None:
+    """``Families`` declares one typed attribute per row of ``FAMILIES`` (compiled code reads
+    them natively) and ``__init__`` sets them from the rows. A row without its declaration, or
+    one of another kind, fails only compiled; a declaration without its row fails only when the
+    attribute is first read: both are caught here, compiled or not."""
+    tree = ast.parse(native.source("proxy.metrics.families").read_text(encoding="utf-8"))
+    (families,) = (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Families")
+    declared = {
+        n.target.id: ast.unparse(n.annotation)
+        for n in families.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+    assert declared == {family.attr: kinds[family.kind].__name__ for family in FAMILIES}
+    for family in FAMILIES:
+        metric = getattr(metrics, family.attr)
+        assert isinstance(metric, kinds[family.kind])
+        assert metric.describe()[0].documentation == family.help
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_promtool_check_metrics_passes() -> None:
     result = subprocess.run(
@@ -323,14 +346,14 @@ def test_many_requests_between_reads_are_counted_exactly_within_bounded_lists(
     """Observations wait for a read of the registry in lists per series; past a bound a list
     goes to the histogram buckets at once. However many requests came between two reads, the
     read sees each of them once, and no list ever holds more than the bound."""
-    from proxy.metrics import _LISTED
+    from proxy.metrics import LISTED
 
-    n = 3 * _LISTED + 7
+    n = 3 * LISTED + 7
     durations = [0.001 * (i % 97) for i in range(n)]
     for i, d in enumerate(durations):
         observe(metrics, duration=d, ttfb=d / 2, usage=usage(100, 5, i % 101), stream=False)
         longest = max((len(v) for s in metrics._raw_series.values() for v in s.values.values()), default=0)
-        assert longest < _LISTED, (i, [(k, len(v)) for s in metrics._raw_series.values() for k, v in s.values.items()])
+        assert longest < LISTED, (i, [(k, len(v)) for s in metrics._raw_series.values() for k, v in s.values.items()])
     labels = {"model": "gpt-4o", "stream": "false"}
     assert value(registry, "kvwarm_request_duration_seconds_count", **labels) == n
     assert value(registry, "kvwarm_request_duration_seconds_sum", **labels) == pytest.approx(sum(durations))
