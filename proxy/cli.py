@@ -222,7 +222,7 @@ def _run_until_signal(settings: Settings, serve: Callable[[], Coroutine[Any, Any
     from aiohttp.web_runner import GracefulExit
 
     _tune_gc()
-    # web.run_app, unrolled: its TCP site has no connection cap (proxy.edge.defences.GuardedSite has).
+    # web.run_app, unrolled: its TCP site has no connection cap (proxy.edge.defences.CappedSite has).
     loop = _new_loop(settings.server.uvloop)
     asyncio.set_event_loop(loop)
     main = loop.create_task(serve())

@@ -20,7 +20,7 @@ request aiohttp cannot even parse is answered by aiohttp itself (a plain-text 40
   timeout starts when a connection opens and again when a response ends, and closes
   the connection if no complete request head arrived by then: :func:`runner_options`
   sets it to ``server.header_timeout``.
-* **Connections** (:class:`GuardedSite`): at most ``server.max_connections`` open
+* **Connections** (:class:`CappedSite`): at most ``server.max_connections`` open
   client connections, counted from accept to close. One more is answered 503
   ``too_many_connections`` and closed within a second (at most :data:`MAX_LINGERING`
   such refusals are open at once; beyond that they are closed at once). So client
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "ConnectionCap",
-    "GuardedSite",
+    "CappedSite",
     "MalformedRequestFilter",
     "body_arrived",
     "check_path",
@@ -318,7 +318,7 @@ class _Refusal(asyncio.Protocol):
             self._cap.lingering -= 1
 
 
-class GuardedSite(web.BaseSite):
+class CappedSite(web.BaseSite):
     """A TCP site whose connections pass through a :class:`ConnectionCap`."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int, backlog: int = 128) -> None:
@@ -360,13 +360,13 @@ def runner_options(settings: ServerSettings) -> dict[str, Any]:
     }
 
 
-async def start_server(app: web.Application, settings: Settings, *, handle_signals: bool = False) -> tuple[web.AppRunner, GuardedSite]:
+async def start_server(app: web.Application, settings: Settings, *, handle_signals: bool = False) -> tuple[web.AppRunner, CappedSite]:
     """Start ``app`` on ``server.host:port`` behind every guard; the caller awaits ``runner.cleanup()``."""
     ensure_fd_limit(settings.server.max_connections + settings.upstream.max_connections + FD_RESERVE)
     runner = web.AppRunner(app, handle_signals=handle_signals, **runner_options(settings.server))
     await runner.setup()
     try:
-        site = GuardedSite(
+        site = CappedSite(
             runner, settings.server.host, settings.server.port, max_connections=settings.server.max_connections
         )
         await site.start()

@@ -79,7 +79,7 @@ import orjson
 from aiohttp import web
 
 from ..config import Settings
-from ..edge.defences import FD_RESERVE, ConnectionCap, GuardedSite, ensure_fd_limit, runner_options
+from ..edge.defences import FD_RESERVE, ConnectionCap, CappedSite, ensure_fd_limit, runner_options
 from ..errors import ConfigError, KvwarmError
 
 __all__ = [
@@ -196,8 +196,8 @@ def slot_sockets(addresses: Sequence[Address]) -> list[socket.socket]:
     return out
 
 
-class InheritedSite(GuardedSite):
-    """A :class:`~proxy.edge.defences.GuardedSite` (the connection cap) on sockets the supervisor bound,
+class InheritedSite(CappedSite):
+    """A :class:`~proxy.edge.defences.CappedSite` (the connection cap) on sockets the supervisor bound,
     instead of binding ``host:port`` itself; one cap over all of them. The sockets listen from
     :meth:`start` (``create_server`` calls ``listen``), once the app is ready, until :meth:`stop`
     closes them."""
@@ -209,7 +209,7 @@ class InheritedSite(GuardedSite):
         self._more: list[asyncio.AbstractServer] = []
 
     async def start(self) -> None:
-        # GuardedSite.start would bind host:port: register with the runner as it does, then serve
+        # CappedSite.start would bind host:port: register with the runner as it does, then serve
         # the inherited sockets through the same cap.
         await web.BaseSite.start(self)
         server = self._runner.server

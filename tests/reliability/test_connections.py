@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
-from proxy.edge.defences import GuardedSite, start_server
+from proxy.edge.defences import CappedSite, start_server
 from tests.conftest import proxy_settings, sim_url
 from tests.reliability.conftest import (
     exchange,
@@ -39,7 +39,7 @@ HEADER_TIMEOUT = 1.0
 
 
 @pytest.fixture
-async def served(sim: TestServer) -> AsyncIterator[tuple[web.AppRunner, GuardedSite]]:
+async def served(sim: TestServer) -> AsyncIterator[tuple[web.AppRunner, CappedSite]]:
     settings = proxy_settings(
         sim_url(sim),
         **{"server.port": 0, "server.max_connections": LIMIT, "server.header_timeout": HEADER_TIMEOUT},
@@ -51,7 +51,7 @@ async def served(sim: TestServer) -> AsyncIterator[tuple[web.AppRunner, GuardedS
         await runner.cleanup()
 
 
-async def test_a_flood_of_idle_connections_holds_at_most_the_limit(served: tuple[web.AppRunner, GuardedSite]) -> None:
+async def test_a_flood_of_idle_connections_holds_at_most_the_limit(served: tuple[web.AppRunner, CappedSite]) -> None:
     runner, site = served
     assert site.cap is not None
     conns = []
@@ -82,7 +82,7 @@ async def test_a_flood_of_idle_connections_holds_at_most_the_limit(served: tuple
     assert (await exchange(site.port, get("/healthz"))).status == 200
 
 
-async def test_half_sent_headers_are_dropped_after_the_header_timeout(served: tuple[web.AppRunner, GuardedSite]) -> None:
+async def test_half_sent_headers_are_dropped_after_the_header_timeout(served: tuple[web.AppRunner, CappedSite]) -> None:
     _runner, site = served
     assert site.cap is not None
     conns = [await asyncio.open_connection("127.0.0.1", site.port) for _ in range(LIMIT)]
