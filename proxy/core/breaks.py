@@ -410,7 +410,9 @@ def _descends(store: NodeReader, nodes: Sequence[Node], ancestor: bytes, depth: 
 
 
 def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break | None:
-    """Why the request left the stored tree; None when all of it is stored."""
+    """Why the request left the stored tree; None when all of it is stored.
+
+    The rules of the module docstring are tried in their order; the first that holds wins."""
     k = match.matched
     if k >= len(match.keys):
         return None
@@ -420,17 +422,11 @@ def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break 
     if not children:
         return Break(reason="new_branch", depth=k)
     if k == 0:
-        stored_tools = [_load(c) for c in children]
-        client = _tools_text(body.get("tools") or [])
-        texts = [_tools_text(t if t is not None else []) for t in stored_tools]
-        best = max(texts, key=lambda t: _similarity(client, t))
-        return Break(reason="tools_changed", depth=0, span=span_of(client, best, 0))
+        return _tools_break(body, children)
 
-    policy: Policy = match.policy
     msg = _forwarded_message(body, match, k)
     ident = match.identities[k]
     role = msg.get("role") if type(msg) is dict else None
-
     if k >= 2 and ident == match.identities[k - 1]:
         return Break(reason="duplicate_replay", depth=k)
 
@@ -441,42 +437,78 @@ def diagnose(body: Mapping[str, Any], match: Match, store: NodeReader) -> Break 
         same_role = [c for c in children if _role_kind(c.role) == kind]
     else:
         same_role = [c for c in children if c.role == role]
+    if _reasoning_changed(msg, ident, same_role, match.policy):
+        return Break(reason="reasoning_changed", depth=k)
+    elsewhere = _stored_elsewhere(store, match, parent, children)
+    if elsewhere is not None:
+        return Break(reason=elsewhere, depth=k)
+    return _changed(msg, role, match, same_role)
 
-    # A sibling without reasoning keys is compared only when the client's message has some: else
-    # both identities are computed from the same fields and the sibling's key would have matched.
+
+def _tools_break(body: Mapping[str, Any], children: list[Node]) -> Break:
+    """Rule 2: the request left the tree at its tools (``children``: the stored tools values
+    under the tenant root), compared with the most similar of them."""
+    stored_tools = [_load(c) for c in children]
+    client = _tools_text(body.get("tools") or [])
+    best, best_score = "", -1
+    for text in [_tools_text(t if t is not None else []) for t in stored_tools]:
+        score = _similarity(client, text)
+        if score > best_score:  # the first of the most similar
+            best, best_score = text, score
+    return Break(reason="tools_changed", depth=0, span=span_of(client, best, 0))
+
+
+def _reasoning_changed(msg: Any, ident: bytes, same_role: list[Node], policy: Policy) -> bool:
+    """Rule 4: a stored sibling of the same role is the client's message but for its reasoning.
+
+    A sibling without reasoning keys is compared only when the client's message has some: else
+    both identities are computed from the same fields and the sibling's key would have matched."""
     check_all = type(msg) is dict and not REASONING_KEYS.isdisjoint(msg)
+    if not check_all and not any(_may_hold_reasoning(c.body) for c in same_role):
+        return False
     bare = message_identity(_without_reasoning(msg), policy) if check_all else ident
-    if check_all or any(_may_hold_reasoning(c.body) for c in same_role):
-        for c in same_role:
-            if check_all or _may_hold_reasoning(c.body):
-                if message_identity(_without_reasoning(_load(c)), policy) == bare:
-                    return Break(reason="reasoning_changed", depth=k)
+    for c in same_role:
+        if check_all or _may_hold_reasoning(c.body):
+            if message_identity(_without_reasoning(_load(c)), policy) == bare:
+                return True
+    return False
 
+
+def _stored_elsewhere(store: NodeReader, match: Match, parent: bytes, children: list[Node]) -> str | None:
+    """Rules 5 to 7, for element ``k = match.matched >= 1`` under ``parent`` (its stored
+    ``children``): the request's messages are stored, but elsewhere in the chain -- its head
+    cut off, a message skipped, or one added. None when none of them holds."""
+    k = match.matched
+    ident = match.identities[k]
     same_all = store.by_identity(match.root, ident)
     same_elsewhere = same_all[-_MAX_DEEPER:]
     if k == 1 and _continues_deeper(store, match, k, same_elsewhere):
         # The request's first message sits deeper in a stored chain: the head was cut off.
-        return Break(reason="truncated_head", depth=k)
-
+        return "truncated_head"
     # A grandchild with this identity is among the tenant's nodes of this identity: none, no probe.
     if (same_all and any(store.get(chain(c.key, ident)) is not None for c in children)) or _descends(
         store, same_elsewhere, parent, k - 1
     ):
-        return Break(reason="message_removed", depth=k)
-
+        return "message_removed"
     if (
         k + 1 < len(match.identities)
         and store.get(chain(parent, match.identities[k + 1])) is not None
     ):
-        return Break(reason="message_inserted", depth=k)
+        return "message_inserted"
+    return None
 
+
+def _changed(msg: Any, role: Any, match: Match, same_role: list[Node]) -> Break:
+    """Rules 8 to 11, for element ``k = match.matched >= 1`` (``msg``, of ``role``) against its
+    stored siblings of the same role (``same_role``), once no rule before holds."""
+    k = match.matched
     if not same_role or (role == "user" and k == len(match.keys) - 1):
         # Nothing of its kind stored here, or a new user turn at the end of the request: whatever
         # its siblings say, nothing after it could have been cached. A new turn, not a break.
         return Break(reason="new_branch", depth=k)
 
     loaded = [(c, _load(c)) for c in same_role]
-    if kind == "system":
+    if _role_kind(role) == "system":
         a, b = _diff_texts(msg, _closest(msg, loaded))
         return Break(reason="system_changed", depth=k, span=span_of(a, b, k))
 

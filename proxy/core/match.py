@@ -371,9 +371,50 @@ def _chain(
     message indices), matching while ``matching``; the :class:`Match` of the whole body.
     ``clean``: leading messages known to need no repair (while they keep their places). The
     elements before ``i`` are the request's first messages, in place."""
+    shuffled = _extend(messages, i, keys, nodes, order, matching, msg_ids, store, policy, memo)
+    if clean and shuffled and not in_order(order, clean):
+        clean = 0  # a tool-result group was put back in its stored order from before there
+    n = len(messages)
+    ordered = not shuffled or (len(order) == n and in_order(order, n))
+    if ordered:
+        # Nothing moved or collapsed (the usual case): the forwarded order is the request's.
+        identities, clean_sizes = (tools_id, *msg_ids), (-1, *sizes)
+        forwarded_dumped = (None, *dumped) if dumped is not None else ()
+    else:
+        identities = (tools_id, *[msg_ids[r] for r in order])
+        clean_sizes = (-1, *[sizes[r] for r in order])
+        forwarded_dumped = (None, *[dumped[r] for r in order]) if dumped is not None else ()
+    return Match(
+        root=root,
+        identities=identities,
+        keys=tuple(keys),
+        order=tuple(order),
+        matched=len(nodes),
+        nodes=tuple(nodes),
+        policy=policy,
+        clean_sizes=clean_sizes,
+        dumped=forwarded_dumped,
+        message_ids=tuple(msg_ids),
+        message_sizes=tuple(sizes),
+        message_dumped=tuple(dumped) if dumped is not None else (),
+        clean=clean,
+        tools_clean=tools_clean,
+        ordered=ordered,
+    )
+
+
+def _extend(
+    messages: list[Any], i: int, keys: list[bytes], nodes: list[Node], order: list[int], matching: bool,
+    msg_ids: list[bytes], store: NodeReader, policy: Policy, memo: IdentityMemo | None,
+) -> bool:
+    """For each message of ``messages[i:]`` forwarded (a collapsed replay is not), append its
+    chain key to ``keys``, its index to ``order`` and, while the store holds them (``matching``),
+    its node to ``nodes``: ``keys`` stays one longer than ``order`` (element 0 is the tools), and
+    ``nodes`` holds the nodes of a leading run of ``keys``. True when the forwarded order is not
+    the request's: a replay was collapsed, or a tool-result group put back in its stored order
+    (both only when the policy allows rewriting)."""
     n = len(messages)
     shuffled = False
-    """A message was collapsed or a tool-result group put back in its stored order."""
     get = store.get
     blake2b = hashlib.blake2b
     held = memo._objects.get if memo is not None else None
@@ -418,35 +459,7 @@ def _chain(
         keys.append(key)
         parent = key
         i += 1
-
-    if clean and shuffled and not in_order(order, clean):
-        clean = 0  # a tool-result group was put back in its stored order from before there
-    ordered = not shuffled or (len(order) == n and in_order(order, n))
-    if ordered:
-        # Nothing moved or collapsed (the usual case): the forwarded order is the request's.
-        identities, clean_sizes = (tools_id, *msg_ids), (-1, *sizes)
-        forwarded_dumped = (None, *dumped) if dumped is not None else ()
-    else:
-        identities = (tools_id, *[msg_ids[r] for r in order])
-        clean_sizes = (-1, *[sizes[r] for r in order])
-        forwarded_dumped = (None, *[dumped[r] for r in order]) if dumped is not None else ()
-    return Match(
-        root=root,
-        identities=identities,
-        keys=tuple(keys),
-        order=tuple(order),
-        matched=len(nodes),
-        nodes=tuple(nodes),
-        policy=policy,
-        clean_sizes=clean_sizes,
-        dumped=forwarded_dumped,
-        message_ids=tuple(msg_ids),
-        message_sizes=tuple(sizes),
-        message_dumped=tuple(dumped) if dumped is not None else (),
-        clean=clean,
-        tools_clean=tools_clean,
-        ordered=ordered,
-    )
+    return shuffled
 
 
 def forwarded_elements(match: Match, forwarded: Mapping[str, Any]) -> list[Any]:
@@ -485,31 +498,51 @@ def new_nodes(
     """
     out: list[Node] = []
     root = match.root
-    keys = match.keys
     stored = match.nodes
     tenant = stored[0].tenant if stored else root
     parent = stored[-1].key if stored else root
-    if match.matched < len(keys):
-        elements = forwarded_elements(match, forwarded)
-        # Past the matched prefix the forwarded elements are the client's own (repair stops
-        # there): the bytes identification serialized are theirs.
-        dumped = match.dumped
-        identities = match.identities
-        for depth in range(match.matched, len(keys)):
-            element = elements[depth]
-            data = dumped[depth] if depth < len(dumped) else None
-            body = data if data is not None else tight(orjson.dumps(element))
-            key = keys[depth]
-            role = ROLE_TOOLS if depth == 0 else intern(_role(element))
-            out.append(
-                Node(
-                    key=key, parent=parent, tenant=tenant, depth=depth, role=role, identity=identities[depth],
-                    body=body, tokens=count_tokens(body), created=now,
-                )
-            )
-            parent = key
+    if match.matched < len(match.keys):
+        parent = _request_nodes(out, match, forwarded, tenant, parent, now, count_tokens)
     # The reply follows the request's last element (``parent`` now).
-    depth = len(keys)
+    _reply_nodes(out, match, replies, tenant, parent, generated_partial, now, count_tokens, memo)
+    return out
+
+
+def _request_nodes(
+    out: list[Node], match: Match, forwarded: Mapping[str, Any], tenant: bytes, parent: bytes, now: float,
+    count_tokens: Callable[[bytes], int],
+) -> bytes:
+    """Append to ``out`` a node per forwarded element past the matched prefix, the first a child
+    of ``parent``; the key of the last (the request's last element)."""
+    elements = forwarded_elements(match, forwarded)
+    # Past the matched prefix the forwarded elements are the client's own (repair stops
+    # there): the bytes identification serialized are theirs.
+    keys = match.keys
+    dumped = match.dumped
+    identities = match.identities
+    for depth in range(match.matched, len(keys)):
+        element = elements[depth]
+        data = dumped[depth] if depth < len(dumped) else None
+        body = data if data is not None else tight(orjson.dumps(element))
+        key = keys[depth]
+        role = ROLE_TOOLS if depth == 0 else intern(_role(element))
+        out.append(
+            Node(
+                key=key, parent=parent, tenant=tenant, depth=depth, role=role, identity=identities[depth],
+                body=body, tokens=count_tokens(body), created=now,
+            )
+        )
+        parent = key
+    return parent
+
+
+def _reply_nodes(
+    out: list[Node], match: Match, replies: Sequence[Mapping[str, Any]], tenant: bytes, parent: bytes,
+    partial: bool, now: float, count_tokens: Callable[[bytes], int], memo: IdentityMemo | None,
+) -> None:
+    """Append to ``out`` a generated node per reply message, each a child of the one before,
+    the first of ``parent`` (the request's last element), at the depths after the request's."""
+    depth = len(match.keys)
     lookup = memo.get if memo is not None else None
     policy = match.policy
     for message in replies:
@@ -524,13 +557,12 @@ def new_nodes(
         out.append(
             Node(
                 key=key, parent=parent, tenant=tenant, depth=depth, role=intern(_role(message) or "assistant"),
-                identity=identity, body=body, tokens=count_tokens(body), generated=True, partial=generated_partial,
+                identity=identity, body=body, tokens=count_tokens(body), generated=True, partial=partial,
                 created=now,
             )
         )
         parent = key
         depth += 1
-    return out
 
 
 def _role(element: Any) -> str:

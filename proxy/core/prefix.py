@@ -30,7 +30,6 @@ Any doubt is a miss, never a different body.
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
@@ -69,17 +68,8 @@ class _Body:
     )
 
     def __init__(
-        self,
-        raw: bytes,
-        start: int,
-        ends: list[int],
-        close: int,
-        top: dict[str, Any],
-        tag: Any,
-        source: _Body | None = None,
-        *,
-        array: str = MESSAGES,
-        planned: PlannedView | None = None,
+        self, raw: bytes, start: int, ends: list[int], close: int, top: dict[str, Any], tag: Any,
+        source: _Body | None = None, *, array: str = MESSAGES, planned: PlannedView | None = None,
     ) -> None:
         self.raw = raw
         self.view = memoryview(raw)
@@ -93,18 +83,10 @@ class _Body:
         """Offset of the ``]`` that closes the array."""
         self.top = top
         # The members before the array, in order: the same in every body rebuilt from this one
-        # (``source``, whose bytes up to the array these are). Unknown (None) when the bytes
-        # before it might name "messages" twice.
-        self.before: list[tuple[str, Any]] | None
-        if source is not None:
-            self.before = source.before
-        else:
-            head = raw[:start]
-            self.before = (
-                list(itertools.takewhile(lambda item: item[0] != array, top.items()))
-                if head.count(_quoted(array)) == 1 and b"\\u" not in head
-                else None
-            )
+        # (``source``, whose bytes up to the array these are). None: unknown.
+        self.before: list[tuple[str, Any]] | None = (
+            source.before if source is not None else _members_before(raw[:start], top, array)
+        )
         self.elements: list[Any] = top[array]
         """The array's parsed elements."""
         self.messages: list[Any] = self.elements if planned is None else planned.messages
@@ -134,10 +116,8 @@ class _Body:
         # or whitespace: read before any window, these rule out most of a tenant's other parallel
         # sessions with four bytes of ``raw`` and fields of this object, not their windows' bytes
         # elsewhere in memory.
-        self.end_all = ends[-1] if ends else 0
-        self.byte_all = raw[self.end_all - 1] if ends else -1
-        self.end_prev = ends[-2] if len(ends) > 1 else 0
-        self.byte_prev = raw[self.end_prev - 1] if len(ends) > 1 else -1
+        self.end_all, self.byte_all = _message_end(raw, ends, 1)
+        self.end_prev, self.byte_prev = _message_end(raw, ends, 2)
         # And the first message's window, compared before the whole start: sessions run in parallel
         # from one template (another system prompt or task, then the same tool results at the same
         # places) agree at their ends, and are told apart at their first message.
@@ -368,44 +348,65 @@ class PrefixMemo:
         # The serialized messages locate the elements only when they are the elements.
         dumped = match.message_dumped if view is None else ()
         bodies = self._scopes.get(scope)
+        entry: _Body | None
         if recalled is not None and recalled.body is body and recalled.source.array == array:
-            source = recalled.source
-            k = recalled.shared
-            if recalled.ends is not None:
-                located: tuple[list[int], int] | None = (recalled.ends, recalled.close)
-            else:
-                # Its tail was parsed whole (what follows the array is the remembered body's), so
-                # its last element ends where the whitespace before the array's known end starts.
-                located = _locate(raw, recalled.cut, elements, k, dumped, first=False, close=recalled.close)
-            if located is None or located[1] != recalled.close or len(located[0]) != len(elements) - k:
-                return False
-            entry = _Body(
-                raw, source.start, source.ends[:k] + located[0], recalled.close, recalled.body, recalled.tag, source,
-                array=array, planned=view,
-            )
-            replaced = _replaced(bodies, source, entry, k) if bodies is not None else None
-            if bodies is not None and replaced is not None:
-                # The session went on (or changed its last turn): this body takes the place of the
-                # one it continues, and the messages they share stay held as they are.
-                bodies.remove(replaced)
-                self._size -= replaced.cost
-                self._hold(entry, match, k if view is None else view.reused, replaced)
-            else:
-                self._hold(entry, match, 0, None)
+            entry = self._rebuilt(raw, elements, match, recalled, dumped, bodies, view)
         else:
             found = _layout(raw, elements, dumped, array)
-            if found is None:
-                return False
-            entry = _Body(raw, found[0], found[1], found[2], dict(body), tag, array=array, planned=view)
-            self._hold(entry, match, 0, None)
-        if bodies is None:
-            bodies = self._scopes[scope] = []
-        else:
-            self._scopes.move_to_end(scope)
+            entry = None
+            if found is not None:
+                entry = _Body(raw, found[0], found[1], found[2], dict(body), tag, array=array, planned=view)
+                self._hold(entry, match, 0, None)
+        if entry is None:
+            return False
         entry.match = match
         # The last message is compared as the final one when it is: not once it is followed.
         entry.clean = min(clean, len(messages) - 1)
         entry.tools_clean = tools_clean
+        self._keep(scope, bodies, entry)
+        return True
+
+    def _rebuilt(
+        self, raw: bytes, elements: list[Any], match: Match, recalled: Recalled, dumped: Sequence[bytes | None],
+        bodies: list[_Body] | None, view: PlannedView | None,
+    ) -> _Body | None:
+        """The entry, its messages held, for the body ``recalled`` rebuilt (``elements``, parsed
+        from ``raw``); None when its new elements are not where the rebuild found them. When it
+        continues one of ``bodies``, that one leaves ``bodies`` and the accounted size, and the
+        messages they share pass over to the entry as held."""
+        source = recalled.source
+        k = recalled.shared
+        if recalled.ends is not None:
+            located: tuple[list[int], int] | None = (recalled.ends, recalled.close)
+        else:
+            # Its tail was parsed whole (what follows the array is the remembered body's), so
+            # its last element ends where the whitespace before the array's known end starts.
+            located = _locate(raw, recalled.cut, elements, k, dumped, first=False, close=recalled.close)
+        if located is None or located[1] != recalled.close or len(located[0]) != len(elements) - k:
+            return None
+        entry = _Body(
+            raw, source.start, source.ends[:k] + located[0], recalled.close, recalled.body, recalled.tag, source,
+            array=source.array, planned=view,
+        )
+        replaced = _replaced(bodies, source, entry, k) if bodies is not None else None
+        if bodies is not None and replaced is not None:
+            # The session went on (or changed its last turn): this body takes the place of the
+            # one it continues, and the messages they share stay held as they are.
+            bodies.remove(replaced)
+            self._size -= replaced.cost
+            self._hold(entry, match, k if view is None else view.reused, replaced)
+        else:
+            self._hold(entry, match, 0, None)
+        return entry
+
+    def _keep(self, scope: Hashable, bodies: list[_Body] | None, entry: _Body) -> None:
+        """Put ``entry`` first among ``scope``'s ``bodies`` (the scope's list, None: a new scope),
+        the scope last to go; then drop the oldest bodies past :attr:`MAX_BODIES` in the scope
+        and the least recently used scopes while more than ``max_bytes`` is held."""
+        if bodies is None:
+            bodies = self._scopes[scope] = []
+        else:
+            self._scopes.move_to_end(scope)
         bodies.insert(0, entry)
         self._size += entry.cost
         while len(bodies) > self.MAX_BODIES:
@@ -414,7 +415,6 @@ class PrefixMemo:
             _, gone = self._scopes.popitem(last=False)
             for old in gone:
                 self._drop(old)
-        return True
 
     def remember_plan(
         self, scope: Hashable, raw: bytes, body: Mapping[str, Any], plan: TurnPlan, recalled: Recalled | None, *,
@@ -474,6 +474,29 @@ class PrefixMemo:
             self.memo.release(msg)
         if body.tools is not None:
             self.memo.release(body.tools)
+
+
+def _members_before(head: bytes, top: dict[str, Any], array: str) -> list[tuple[str, Any]] | None:
+    """The members of ``top`` before its key ``array``, in order, when ``head`` (the bytes up to
+    the array) names that key once and holds no ``\\u`` escape (which could spell it); else None:
+    unknown, the key may be there twice (a parser keeps the last)."""
+    if head.count(_quoted(array)) != 1 or b"\\u" in head:
+        return None
+    members: list[tuple[str, Any]] = []
+    for item in top.items():
+        if item[0] == array:
+            break
+        members.append(item)
+    return members
+
+
+def _message_end(raw: bytes, ends: list[int], back: int) -> tuple[int, int]:
+    """Where the ``back``-th message from the last (1: the last) ends in ``raw``, and its last
+    byte; ``(0, -1)`` when there are fewer messages."""
+    if len(ends) < back:
+        return 0, -1
+    end = ends[-back]
+    return end, raw[end - 1]
 
 
 def _replaced(bodies: list[_Body], source: _Body, entry: _Body, k: int) -> _Body | None:

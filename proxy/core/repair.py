@@ -80,14 +80,7 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
     messages: list[Any] = raw if type(raw) is list else []
     repairs: list[Repair] = []
     edits: list[Edit] = []
-    new_tools: Any = _SAME
-
-    if match.matched >= 1 and not match.tools_clean:
-        fixed_tools = _repair_tools(body.get("tools"), match.nodes[0].body)
-        if fixed_tools is not None:
-            new_tools, kind = fixed_tools
-            repairs.append(Repair(depth=0, kind=kind))
-            edits.append(Replace(path=("tools",), value=orjson.dumps(new_tools)))
+    new_tools = _tools_repair(body, match, repairs, edits)
 
     order = match.order
     moved = not match.ordered and order != tuple(range(len(messages)))
@@ -95,7 +88,43 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
     if moved:
         repairs.extend(_order_repairs(messages, order))
         edits.append(Reorder(path=("messages",), order=tuple(order)))
+    out = _repair_messages(messages, match, out, repairs, edits)
 
+    if not repairs:
+        return NO_REPAIR
+    new_body = dict(body)
+    if new_tools is not _SAME:
+        new_body["tools"] = new_tools
+    if out is not None:
+        new_body["messages"] = out
+    first = min(r.depth for r in repairs)
+    rescued = sum(n.tokens for n in match.nodes[first:])
+    repairs.sort(key=lambda r: r.depth)
+    return RepairPlan(repairs=tuple(repairs), body=new_body, rescued_tokens=rescued, edits=tuple(edits))
+
+
+def _tools_repair(body: Mapping[str, Any], match: Match, repairs: list[Repair], edits: list[Edit]) -> Any:
+    """The stored tools array to forward, its repair and edit appended to ``repairs`` and
+    ``edits``; ``_SAME`` when the tools are not matched, known clean, or forward as they are."""
+    if match.matched < 1 or match.tools_clean:
+        return _SAME
+    fixed_tools = _repair_tools(body.get("tools"), match.nodes[0].body)
+    if fixed_tools is None:
+        return _SAME
+    new_tools, kind = fixed_tools
+    repairs.append(Repair(depth=0, kind=kind))
+    edits.append(Replace(path=("tools",), value=orjson.dumps(new_tools)))
+    return new_tools
+
+
+def _repair_messages(
+    messages: list[Any], match: Match, out: list[Any] | None, repairs: list[Repair], edits: list[Edit]
+) -> list[Any] | None:
+    """Put back the stored form of each matched message, from ``match.clean`` on, that does not
+    forward its stored bytes, its repairs and edits appended to ``repairs`` and ``edits``.
+    ``out``: the forwarded messages when they were reordered, else None (``messages`` is copied
+    at the first repair). The forwarded messages; None while nothing changed them."""
+    order = match.order
     last = len(order) - 1
     nodes = match.nodes
     sizes = match.clean_sizes
@@ -127,18 +156,7 @@ def plan_repair(body: Mapping[str, Any], match: Match, policy: Policy) -> Repair
         out[p] = new_msg
         repairs.extend(Repair(depth=p + 1, kind=k) for k in kinds)
         edits.extend(_at(("messages", order[p]), change) for change in changes)
-
-    if not repairs:
-        return NO_REPAIR
-    new_body = dict(body)
-    if new_tools is not _SAME:
-        new_body["tools"] = new_tools
-    if out is not None:
-        new_body["messages"] = out
-    first = min(r.depth for r in repairs)
-    rescued = sum(n.tokens for n in nodes[first:])
-    repairs.sort(key=lambda r: r.depth)
-    return RepairPlan(repairs=tuple(repairs), body=new_body, rescued_tokens=rescued, edits=tuple(edits))
+    return out
 
 
 def _at(prefix: tuple[str | int, ...], edit: Edit) -> Edit:

@@ -446,6 +446,9 @@ def _edit_object(
 def _edit_array(
     raw: bytes, view: memoryview, pos: int, node: _Node, path: Path
 ) -> tuple[int, _Pieces]:
+    """The array at ``pos``: its elements delimited (each edited one rewritten), then its bytes
+    put together, in place or in ``node.reorder``'s order. Without a reorder, nothing past the
+    last edited element is read but to find the array's end."""
     children = _children(raw, pos, node, path, int)
     order = node.reorder
     last = max((int(k) for k in children), default=-1)  # without a reorder, nothing past it is read
@@ -479,22 +482,42 @@ def _edit_array(
     if last >= len(spans):
         raise Refused("missing_path", (*path, last))
     if order is None:
-        pieces: _Pieces = []
-        cursor = pos
-        for i, sub in edited.items():
-            start, stop = spans[i]
-            pieces.append(view[cursor:start])
-            pieces.extend(sub)
-            cursor = stop
-        pieces.append(view[cursor:end])
-        return end, pieces
-    n = len(spans)
-    if any(i >= n for i in order):
+        return end, _in_place(view, pos, end, spans, edited)
+    if any(i >= len(spans) for i in order):
         raise Refused("invalid_edit", path)
+    return end, _reordered(view, pos, end, spans, edited, order)
+
+
+def _in_place(
+    view: memoryview, pos: int, end: int, spans: list[tuple[int, int]], edited: dict[int, _Pieces]
+) -> _Pieces:
+    """The array from ``pos`` to ``end`` with each edited element's bytes (``edited``, by index,
+    in the order the elements come) in place of its span; every other byte as it is."""
+    pieces: _Pieces = []
+    cursor = pos
+    for i, sub in edited.items():
+        start, stop = spans[i]
+        pieces.append(view[cursor:start])
+        pieces.extend(sub)
+        cursor = stop
+    pieces.append(view[cursor:end])
+    return pieces
+
+
+def _reordered(
+    view: memoryview,
+    pos: int,
+    end: int,
+    spans: list[tuple[int, int]],
+    edited: dict[int, _Pieces],
+    order: tuple[int, ...],
+) -> _Pieces:
+    """The array from ``pos`` to ``end`` with its elements (``spans``, every index of ``order``
+    among them; ``edited``: the rewritten ones) in ``order``. Separators stay where they are:
+    whole elements move between them."""
     if not spans:
-        return end, [view[pos:end]]
-    # Separators stay where they are; whole elements move between them.
-    pieces = [view[pos : spans[0][0]]]
+        return [view[pos:end]]
+    pieces: _Pieces = [view[pos : spans[0][0]]]
     for slot, i in enumerate(order):
         if slot:
             pieces.append(view[spans[slot - 1][1] : spans[slot][0]])
@@ -505,7 +528,7 @@ def _edit_array(
         else:
             pieces.extend(moved)
     pieces.append(view[spans[-1][1] : end])
-    return end, pieces
+    return pieces
 
 
 def _skip_elements(raw: bytes, pos: int, path: Path) -> int:
