@@ -307,14 +307,17 @@ class Transport:
             headers = itertools.chain(headers, pool.proxy_headers)
         head = request_head(method, target, pool.host, headers, body)  # refused before a connection is taken
         conn, waiter, idled = await self._send(pool, head, body, method == "HEAD", fresh)
+        # A plain timer: asyncio.timeout would add ten Python calls to every request.
+        timer = self.loop.call_later(within, _expire_response, waiter)
         try:
-            async with asyncio.timeout(within):
-                response = await waiter
+            response = await waiter
         except BaseException as exc:
             conn.finished(False)
             if isinstance(exc, Disconnected) and exc.before_response and idled is not None and idled < QUICK_CLOSE:
                 pool.distrust()  # it closed the connection it had just answered on: it always will
             raise
+        finally:
+            timer.cancel()
         if pool.forwarded and response.status == 407:  # the proxy's own answer: it forwarded nothing
             response.close()
             raise ProxyRefused(f"{pool.where}: the proxy answered 407 Proxy Authentication Required", status=407)
@@ -447,6 +450,12 @@ class Transport:
         closing = [lost for pool in self._pools.values() for lost in pool.close()]
         if closing:
             await asyncio.wait(closing, timeout=1.0)
+
+
+def _expire_response(waiter: asyncio.Future[Body]) -> None:
+    """The response's headers did not arrive in time."""
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
 
 
 async def read_chunk(response: Response, within: float) -> bytes:
