@@ -7,9 +7,10 @@ of the process's CPU per request. kvwarm needs none of it: it forwards bytes it 
 holds to a base URL it already parsed. This module is what remains (the style of httpx's
 transports and of uvicorn's protocols): one asyncio protocol per connection, responses
 parsed by ``httptools`` (llhttp: status line, headers, ``Content-Length``, chunked bodies),
-gzip/deflate decoded here, flow control on the socket, a bounded pool. All but the coroutines
-(the connection's protocol, the response and its reads, the request head) is compiled, in
-:mod:`proxy.transport.http1`; this module keeps the pool, connecting and sending, which wait.
+gzip/deflate decoded here, flow control on the socket, a bounded pool. What never waits (the
+connection's protocol, the response's buffering, the request head) is compiled, in
+:mod:`proxy.transport.http1`; this module keeps what waits: the pool, connecting, sending, and
+reading a body chunk that has not arrived (:func:`read_chunk`).
 
 Connections are pooled by origin and :class:`~proxy.transport.egress.Route` (directly, or through which
 egress proxy: a ``CONNECT`` tunnel for https origins, absolute-form targets for http ones).
